@@ -1,0 +1,37 @@
+# `make test` and `make demo` are the whole set-up: both create .venv/ on first use.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export WANDB_MODE ?= disabled
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test test-fast demo bench clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 first: on the CPU machines it is a local wheel; a bare `torch` would pull a CUDA build.
+$(STAMP): pyproject.toml requirements.txt
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q tests -m "not slow"
+
+demo: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH bash train_scripts/demo_cpu.sh
+
+bench: $(STAMP)
+	$(VPY) bench/bench_kernels.py
+
+clean:
+	rm -rf $(VENV) output_demo .pytest_cache

@@ -1,0 +1,34 @@
+"""EasyContext: sequence-parallel long-context training for Hugging Face causal LMs.
+
+    from easy_context import prepare_seq_parallel_inputs, apply_seq_parallel_monkey_patch
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", "llama")
+    prepared = prepare_seq_parallel_inputs("zigzag_ring_attn", input_ids, position_ids, target_ids,
+                                           rank, world_size, device)
+
+Modes (``SEQ_ALGOS``): data_parallel, zigzag_ring_attn, dist_flash_attn, ulysses_attn, usp_attn.
+Attention functions are imported on first use (no CUDA or optional packages touched at import).
+"""
+from .api import prepare_seq_parallel_inputs, seq_multiple, shard_sequence, unshard_sequence
+from .hf import apply_seq_parallel_monkey_patch
+from .registry import SEQ_ALGOS
+
+_LAZY = {
+    "zigzag_ring_attn_func": "easy_context.zigzag_ring_attn",
+    "dist_flash_attn_func": "easy_context.dist_flash_attn",
+    "ulysses_attn_func": "easy_context.ulysses_attn",
+    "usp_attn_func": "easy_context.usp",
+    "prepare_dataloader": "easy_context.data",
+    "ParallelLayout": "easy_context.parallel_layout",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'easy_context' has no attribute {name!r}")
+
+
+__all__ = ["SEQ_ALGOS", "apply_seq_parallel_monkey_patch", "prepare_seq_parallel_inputs", "shard_sequence",
+           "unshard_sequence", "seq_multiple", "prepare_dataloader", "zigzag_ring_attn_func",
+           "dist_flash_attn_func", "ulysses_attn_func", "usp_attn_func", "ParallelLayout"]

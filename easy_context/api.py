@@ -1,0 +1,59 @@
+"""The EasyContext calls: sharding of inputs and of any tensor along the sequence."""
+from __future__ import annotations
+
+import torch
+
+from .registry import get_algo
+
+
+def _check_world(rank: int, world_size: int) -> None:
+    if world_size < 1 or not (0 <= rank < world_size):
+        raise ValueError(f"rank must be in [0, world_size) and world_size >= 1; got rank={rank}, world_size={world_size}")
+
+
+def seq_multiple(seq_algo: str, world_size: int, **kw) -> int:
+    """The multiple the (global) sequence length must be for ``seq_algo`` on ``world_size`` sp ranks."""
+    return get_algo(seq_algo).layout_module().seq_multiple(world_size, **kw)
+
+
+def shard_sequence(seq_algo: str, tensor: torch.Tensor, rank: int, world_size: int, dim: int = 1, **kw):
+    """This rank's shard of ``tensor`` along ``dim`` in ``seq_algo``'s layout."""
+    _check_world(rank, world_size)
+    return get_algo(seq_algo).layout_module().shard(tensor, rank, world_size, dim=dim, **kw)
+
+
+def unshard_sequence(seq_algo: str, shards, dim: int = 1, **kw) -> torch.Tensor:
+    """Inverse of ``shard_sequence``: all ranks' shards in rank order -> the full tensor."""
+    shards = list(shards)
+    if not shards:
+        raise ValueError("unshard_sequence needs at least one shard")
+    return get_algo(seq_algo).layout_module().unshard(shards, dim=dim, **kw)
+
+
+def prepare_seq_parallel_inputs(seq_algo: str, input_ids, position_ids, target_ids, rank: int,
+                                world_size: int, device, **kw) -> dict:
+    """Shard ``(batch, seq)`` inputs for this sp rank; positions stay the true global positions.
+
+    Returns ``{"local_input_ids", "local_position_ids", "local_target_ids"}`` on ``device``
+    (targets may be ``None``). ``usp_attn`` takes ``ring_degree=``.
+    """
+    algo = get_algo(seq_algo)
+    _check_world(rank, world_size)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq); got shape {tuple(input_ids.shape)}")
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+    for name, t in (("position_ids", position_ids), ("target_ids", target_ids)):
+        if t is not None and t.shape[-1] != input_ids.shape[1]:
+            raise ValueError(f"{name} has length {t.shape[-1]} but input_ids has {input_ids.shape[1]}")
+    mult = algo.layout_module().seq_multiple(world_size, **kw)
+    if input_ids.shape[1] % mult != 0:
+        n = input_ids.shape[1]
+        raise ValueError(f"{seq_algo} on {world_size} ranks needs the sequence length to be a multiple of "
+                         f"{mult}; got {n} (use {n - n % mult or mult} or {n - n % mult + mult})")
+
+    def cut(t):
+        return None if t is None else shard_sequence(seq_algo, t, rank, world_size, dim=-1, **kw).to(device)
+
+    return {"local_input_ids": cut(input_ids), "local_position_ids": cut(position_ids),
+            "local_target_ids": cut(target_ids)}

@@ -1,0 +1,198 @@
+"""Hugging Face integration: route a model's attention through a sequence-parallel mode.
+
+Everything goes through transformers' own extension points, never through copied model code:
+* an instance: our function is registered in ``AttentionInterface`` as ``easy_context_<mode>`` and the
+  model switched to it with ``set_attn_implementation``; a mask function registered for that name in
+  ``AttentionMaskInterface`` returns ``None`` (attention here is causal over the *global* sequence; the
+  local slice's own mask would be wrong) after refusing padded attention masks.
+* a family string (``"llama"``, ...): the family module gets its own ``AttentionInterface`` instance
+  whose lookup answers our function for every implementation name (the per-model override the
+  AttentionInterface docstring describes), and its mask builders are wrapped the same way. Models of the
+  family built before or after the call follow it; ``"data_parallel"`` puts the originals back.
+
+Process groups are bound when patching (``group=`` / ``ring_group=``/``ulysses_group=`` or a
+``ParallelLayout``) and travel in the registered closure; nothing is global.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+import torch
+import transformers
+
+from .registry import SEQ_ALGOS, get_algo
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_ATTN_CLASS = {"llama": "LlamaAttention", "mistral": "MistralAttention", "qwen2": "Qwen2Attention",
+               "qwen3": "Qwen3Attention"}
+# The parameters transformers 5 passes to an attention function (modeling_llama.LlamaAttention.forward).
+_EXPECTED = ("module", "query", "key", "value", "attention_mask")
+
+
+def _family_module(family: str):
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
+def check_transformers_compat(family: str = "llama") -> None:
+    """Fail loudly if the installed transformers no longer calls attention the way we hook it."""
+    mod = _family_module(family)
+    src = inspect.getsource(getattr(mod, _ATTN_CLASS[family]).forward)
+    if "ALL_ATTENTION_FUNCTIONS.get_interface" not in src and "ALL_ATTENTION_FUNCTIONS[" not in src:
+        raise RuntimeError(
+            f"easy_context cannot hook attention in transformers {transformers.__version__}: "
+            f"{_ATTN_CLASS[family]}.forward no longer dispatches through ALL_ATTENTION_FUNCTIONS. "
+            "Supported: transformers 5.0 - 5.24.")
+    sdpa = importlib.import_module("transformers.integrations.sdpa_attention").sdpa_attention_forward
+    params = tuple(inspect.signature(sdpa).parameters)[:5]
+    if params != _EXPECTED:
+        raise RuntimeError(
+            f"easy_context: transformers {transformers.__version__} passes attention arguments {params}, "
+            f"expected {_EXPECTED}. Supported: transformers 5.0 - 5.24.")
+
+
+def _check_mask(attention_mask) -> None:
+    if attention_mask is None:
+        return
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        if not bool(attention_mask.bool().all()):
+            raise ValueError(
+                "sequence-parallel attention does not support padding (attention_mask has zeros); "
+                "pack samples to the full length or pass no attention_mask")
+        return
+    raise ValueError("sequence-parallel attention takes only a 2D all-ones attention_mask (or None); "
+                     f"got {type(attention_mask).__name__} of shape {getattr(attention_mask, 'shape', None)}")
+
+
+def make_attention_fn(seq_algo: str, **groups):
+    """An AttentionInterface function running ``seq_algo`` with the bound process groups."""
+    algo = get_algo(seq_algo)
+    fn = algo.attention_fn()
+    bad = set(groups) - set(algo.group_kwargs)
+    if bad:
+        raise ValueError(f"{seq_algo} takes process groups {algo.group_kwargs}, got {sorted(bad)}")
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  sliding_window=None, **kwargs):
+        # query (B, Hq, S, D), key/value (B, Hkv, S, D): kv heads are not repeated (GQA stays on the wire).
+        if sliding_window is not None and sliding_window < query.shape[2] * _sp_size(algo, groups):
+            raise ValueError(f"{seq_algo}: sliding-window attention ({sliding_window}) is not supported; "
+                             "set config.sliding_window=None")
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError(f"{seq_algo}: a KV cache is not supported inside sequence-parallel attention; "
+                             "call the model with use_cache=False")
+        out = fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout,
+                 softmax_scale=scaling, causal=True, **groups)
+        return out, None
+
+    attention.seq_algo = seq_algo
+    return attention
+
+
+def _sp_size(algo, groups) -> int:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return 1
+    size = 1
+    for name in algo.group_kwargs:
+        size *= dist.get_world_size(groups.get(name))
+    return size
+
+
+def _no_mask(mask_fn):
+    """Wrap a mask builder: refuse padding, return None (our kernels apply the global causal mask)."""
+    @functools.wraps(mask_fn)
+    def build(*args, **kwargs):
+        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        _check_mask(mask)
+        return None
+    build._easy_context_original = mask_fn
+    return build
+
+
+def _groups_from(seq_algo, layout, group, ring_group, ulysses_group) -> dict:
+    algo = get_algo(seq_algo)
+    if layout is not None:
+        return layout.attn_groups(seq_algo)
+    given = {"group": group, "ring_group": ring_group, "ulysses_group": ulysses_group}
+    return {k: given[k] for k in algo.group_kwargs}
+
+
+def apply_seq_parallel_monkey_patch(seq_algo: str, model, *, group=None, ring_group=None,
+                                    ulysses_group=None, layout=None):
+    """Route attention of ``model`` (a family string or a PreTrainedModel) through ``seq_algo``.
+
+    Groups default to the world group (for ``usp_attn`` pass ``ring_group``/``ulysses_group`` or a
+    ``ParallelLayout``). Returns the model (instance case) or None.
+    """
+    get_algo(seq_algo)  # validates the name
+    if isinstance(model, str):
+        family = model.lower()
+        if family not in FAMILIES:
+            raise ValueError(f"unknown model family {model!r}; valid families: {', '.join(FAMILIES)} "
+                             "(or pass a transformers PreTrainedModel instance)")
+        _patch_family(seq_algo, family, _groups_from(seq_algo, layout, group, ring_group, ulysses_group))
+        return None
+    if isinstance(model, transformers.PreTrainedModel):
+        return _patch_instance(seq_algo, model, _groups_from(seq_algo, layout, group, ring_group, ulysses_group))
+    raise ValueError(f"model must be a family string ({', '.join(FAMILIES)}) or a transformers "
+                     f"PreTrainedModel; got {type(model).__name__}")
+
+
+def _patch_family(seq_algo, family, groups):
+    check_transformers_compat(family)
+    mod = _family_module(family)
+    from transformers.modeling_utils import AttentionInterface
+
+    base = getattr(mod, "_easy_context_original_interface", None)
+    if base is None:
+        mod._easy_context_original_interface = base = mod.ALL_ATTENTION_FUNCTIONS
+        mod._easy_context_original_masks = {n: getattr(mod, n) for n in
+                                            ("create_causal_mask", "create_sliding_window_causal_mask")
+                                            if hasattr(mod, n)}
+    if seq_algo == "data_parallel":
+        mod.ALL_ATTENTION_FUNCTIONS = base
+        for n, f in mod._easy_context_original_masks.items():
+            setattr(mod, n, f)
+        return
+    fn = make_attention_fn(seq_algo, **groups)
+
+    class _FamilyInterface(AttentionInterface):
+        def get_interface(self, attn_implementation, default):
+            return fn
+
+    mod.ALL_ATTENTION_FUNCTIONS = _FamilyInterface()
+    for n, f in mod._easy_context_original_masks.items():
+        setattr(mod, n, _no_mask(f))
+
+
+def _patch_instance(seq_algo, model, groups):
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    family = getattr(model.config, "model_type", None)
+    if family in FAMILIES:
+        check_transformers_compat(family)
+    if seq_algo == "data_parallel":
+        prev = getattr(model, "_easy_context_prev_attn", None)
+        if prev is not None:
+            model.set_attn_implementation(prev)
+        return model
+    # one name per model instance: two models may be bound to different groups
+    name = f"easy_context_{seq_algo}_{id(model):x}"
+    AttentionInterface.register(name, make_attention_fn(seq_algo, **groups))
+
+    def mask_fn(*args, **kwargs):
+        _check_mask(kwargs.get("attention_mask"))
+        return None
+    AttentionMaskInterface.register(name, mask_fn)
+    del ALL_MASK_ATTENTION_FUNCTIONS  # registered class-wide; the import only proves the API exists
+    if not hasattr(model, "_easy_context_prev_attn"):
+        model._easy_context_prev_attn = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    return model
+
+
+__all__ = ["apply_seq_parallel_monkey_patch", "make_attention_fn", "check_transformers_compat", "FAMILIES",
+           "SEQ_ALGOS"]

@@ -1,0 +1,359 @@
+"""The one place that knows attention kernels.
+
+Every sequence-parallel algorithm calls exactly two functions:
+
+    attn_forward(q, k, v, causal, softmax_scale)              -> (out, lse)
+    attn_backward(dout, q, k, v, out, lse, causal, softmax_scale) -> (dq, dk, dv)
+
+Layout legend (flash-attn's): q/out/dq ``(B, Lq, Hq, D)``; k/v/dk/dv ``(B, Lk, Hkv, D)`` with
+``Hq % Hkv == 0`` (GQA: k/v are never expanded over the wire, and not in memory where the backend
+takes fewer kv heads); ``lse`` is float32 ``(B, Hq, Lq)``, natural log, of the *scaled* scores.
+``causal=True`` needs ``Lq == Lk`` (the diagonal block of a ring step); unequal lengths are non-causal.
+
+Backends (``backend=`` argument, else env ``EASY_CONTEXT_ATTN_BACKEND``, else automatic):
+  cudnn      aten._scaled_dot_product_cudnn_attention  (fastest on Hopper: ~540 TFLOP/s fwd+bwd on H200)
+  flash      aten._scaled_dot_product_flash_attention  (FA2 inside PyTorch)
+  efficient  aten._scaled_dot_product_efficient_attention (any CUDA dtype incl. fp32)
+  flash_attn the flash-attn package, if importable
+  cpu        aten._scaled_dot_product_flash_attention_for_cpu (returns the LSE)
+  math       plain PyTorch, q processed in chunks; any dtype incl. float64 — the reference
+
+``merge_attn_out`` folds a block's partial ``(out, lse)`` into a running float32 accumulator.
+"""
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+BACKENDS = ("cudnn", "flash", "efficient", "flash_attn", "cpu", "math")
+ENV_VAR = "EASY_CONTEXT_ATTN_BACKEND"
+_HALF = (torch.float16, torch.bfloat16)
+# dtypes each backend accepts (math takes anything floating).
+_DTYPES = {
+    "cudnn": _HALF,
+    "flash": _HALF,
+    "flash_attn": _HALF,
+    "efficient": _HALF + (torch.float32,),
+    "cpu": _HALF + (torch.float32, torch.float64),
+    "math": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# validation and backend choice
+# ----------------------------------------------------------------------------------------------
+def _check(q, k, v, causal):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"attention expects q, k, v shaped (batch, seq, heads, head_dim); got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must agree on batch and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) for grouped-query attention")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"causal=True needs equal q and kv lengths (got {q.shape[1]} and {k.shape[1]}); "
+            "pass causal=False for an off-diagonal block")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+@lru_cache(maxsize=None)
+def _flash_attn_module():
+    try:
+        import flash_attn.flash_attn_interface as fai  # noqa: F401
+        return fai
+    except Exception:  # ImportError or a broken CUDA build: the package is optional
+        return None
+
+
+@lru_cache(maxsize=None)
+def _is_hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Backends that can run on ``device`` in this process."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        names = ["cudnn", "flash", "efficient"]
+        if _flash_attn_module() is not None:
+            names.append("flash_attn")
+        return names + ["math"]
+    return ["cpu", "math"]
+
+
+def choose_backend(q: torch.Tensor, backend: str | None = None) -> str:
+    """The explicit ``backend``, else ``$EASY_CONTEXT_ATTN_BACKEND``, else the fastest for q."""
+    name = backend or os.environ.get(ENV_VAR) or "auto"
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS} or 'auto'")
+        if name not in available_backends(q.device):
+            raise ValueError(f"attention backend {name!r} is not available on {q.device}; "
+                             f"available: {available_backends(q.device)}")
+        if q.dtype not in _DTYPES[name]:
+            raise ValueError(f"attention backend {name!r} does not support {q.dtype}; "
+                             f"it takes {[str(d) for d in _DTYPES[name]]}")
+        return name
+    if q.device.type == "cuda":
+        if q.dtype in _HALF and q.shape[-1] <= 128:
+            return "cudnn" if _is_hopper_or_newer(q.device.index or 0) else "flash"
+        if q.dtype in _HALF + (torch.float32,):
+            return "efficient"
+        return "math"
+    # CPU: the fused kernel returns the LSE and is exact enough in float32; float64 stays on math.
+    return "cpu" if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else "math"
+
+
+# ----------------------------------------------------------------------------------------------
+# math backend: the readable reference (chunked over q so memory stays bounded)
+# ----------------------------------------------------------------------------------------------
+def _math_chunk(lq: int, lk: int, heads: int, batch: int) -> int:
+    budget = 1 << 24  # score elements per chunk (64 MiB in fp32)
+    return max(1, min(lq, budget // max(1, lk * heads * batch)))
+
+
+def _scores(qc, k, scale, q0, causal):
+    # qc: (B, Hkv, G, c, D), k: (B, Hkv, 1, Lk, D) -> (B, Hkv, G, c, Lk)
+    s = torch.matmul(qc, k.transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(q0, q0 + qc.shape[-2], device=qc.device)[:, None]
+        cols = torch.arange(k.shape[-2], device=qc.device)[None, :]
+        s = s.masked_fill(cols > rows, float("-inf"))
+    return s
+
+
+def _grouped(q, k, v):
+    """(B,L,H,D) -> q (B,Hkv,G,Lq,D), k/v (B,Hkv,1,Lk,D) in a compute dtype >= float32."""
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, lq, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.to(ct).permute(0, 2, 1, 3).reshape(b, hkv, hq // hkv, lq, d)
+    kg = k.to(ct).permute(0, 2, 1, 3).unsqueeze(2)
+    vg = v.to(ct).permute(0, 2, 1, 3).unsqueeze(2)
+    return qg, kg, vg
+
+
+def _math_forward(q, k, v, causal, scale):
+    b, lq, hq, d = q.shape
+    qg, kg, vg = _grouped(q, k, v)
+    out = torch.empty_like(qg)
+    lse = torch.empty(qg.shape[:-1], dtype=qg.dtype, device=q.device)
+    step = _math_chunk(lq, k.shape[1], hq, b)
+    for s0 in range(0, lq, step):
+        s = _scores(qg[..., s0:s0 + step, :], kg, scale, s0, causal)
+        m = torch.logsumexp(s, dim=-1)
+        lse[..., s0:s0 + step] = m
+        out[..., s0:s0 + step, :] = torch.matmul(torch.exp(s - m.unsqueeze(-1)), vg)
+    out = out.reshape(b, hq, lq, d).permute(0, 2, 1, 3).to(q.dtype)
+    return out, lse.reshape(b, hq, lq).float() if q.dtype != torch.float64 else lse.reshape(b, hq, lq)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    b, lq, hq, d = q.shape
+    hkv = k.shape[2]
+    qg, kg, vg = _grouped(q, k, v)
+    ct = qg.dtype
+    do = dout.to(ct).permute(0, 2, 1, 3).reshape(qg.shape)
+    o = out.to(ct).permute(0, 2, 1, 3).reshape(qg.shape)
+    lse_g = lse.to(ct).reshape(qg.shape[:-1])
+    delta = (do * o).sum(-1)  # (B,Hkv,G,Lq): rowsum(dO ∘ O) = rowsum(P ∘ dP)
+    dq = torch.empty_like(qg)
+    dk = torch.zeros_like(kg.squeeze(2))
+    dv = torch.zeros_like(dk)
+    step = _math_chunk(lq, k.shape[1], hq, b)
+    for s0 in range(0, lq, step):
+        sl = slice(s0, s0 + step)
+        p = torch.exp(_scores(qg[..., sl, :], kg, scale, s0, causal) - lse_g[..., sl].unsqueeze(-1))
+        dv += torch.matmul(p.transpose(-1, -2), do[..., sl, :]).sum(2)
+        dp = torch.matmul(do[..., sl, :], vg.transpose(-1, -2))
+        ds = p * (dp - delta[..., sl].unsqueeze(-1))
+        dq[..., sl, :] = torch.matmul(ds, kg) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), qg[..., sl, :]).sum(2) * scale
+    dq = dq.reshape(b, hq, lq, d).permute(0, 2, 1, 3).to(q.dtype)
+    dk = dk.reshape(b, hkv, -1, d).permute(0, 2, 1, 3).to(k.dtype)
+    dv = dv.reshape(b, hkv, -1, d).permute(0, 2, 1, 3).to(v.dtype)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# fused backends. aten ops take (B, H, L, D) views: a transpose of our (B, L, H, D) is free.
+# ----------------------------------------------------------------------------------------------
+def _bhld(x):
+    return x.transpose(1, 2)
+
+
+def _expand_kv(k, v, hq):
+    """Repeat kv heads for kernels that need equal head counts (grads are summed back)."""
+    rep = hq // k.shape[2]
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+
+
+def _reduce_kv_grad(dk, hkv):
+    b, l, hq, d = dk.shape
+    if hq == hkv:
+        return dk
+    return dk.view(b, l, hkv, hq // hkv, d).sum(3)
+
+
+def _cpu_forward(q, k, v, causal, scale):
+    o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        _bhld(q), _bhld(k), _bhld(v), 0.0, causal, scale=scale)
+    return _bhld(o), lse.float()
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+    # The CPU kernel takes fewer kv heads in forward; its backward wants them expanded.
+    hkv = k.shape[2]
+    ke, ve = _expand_kv(k, v, q.shape[2])
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _bhld(dout.contiguous()), _bhld(q), _bhld(ke), _bhld(ve), _bhld(out.contiguous()),
+        lse.to(q.dtype) if q.dtype == torch.float64 else lse, 0.0, causal, scale=scale)
+    return _bhld(dq), _reduce_kv_grad(_bhld(dk), hkv), _reduce_kv_grad(_bhld(dv), hkv)
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    k, v = _expand_kv(k, v, q.shape[2])
+    o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
+        _bhld(q), _bhld(k), _bhld(v), None, True, 0.0, causal, False, scale=scale)
+    return _bhld(o), lse.view(lse.shape[0], lse.shape[1], lse.shape[2])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
+    hkv = k.shape[2]
+    ke, ve = _expand_kv(k, v, q.shape[2])
+    lq, lk = q.shape[1], k.shape[1]
+    empty = torch.empty(0, device=q.device)
+    dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+        _bhld(dout.contiguous()), _bhld(q), _bhld(ke), _bhld(ve), _bhld(out), lse.unsqueeze(-1),
+        empty, empty, empty, empty, empty, lq, lk, 0.0, causal, scale=scale)
+    return _bhld(dq), _reduce_kv_grad(_bhld(dk), hkv), _reduce_kv_grad(_bhld(dv), hkv)
+
+
+def _flash_forward(q, k, v, causal, scale):
+    k, v = _expand_kv(k, v, q.shape[2])
+    o, lse, *_ = aten._scaled_dot_product_flash_attention(
+        _bhld(q), _bhld(k), _bhld(v), 0.0, causal, False, scale=scale)
+    return _bhld(o), lse
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
+    hkv = k.shape[2]
+    ke, ve = _expand_kv(k, v, q.shape[2])
+    lq, lk = q.shape[1], k.shape[1]
+    empty = torch.empty(0, device=q.device)
+    seed = torch.empty(2, dtype=torch.uint64 if hasattr(torch, "uint64") else torch.int64, device=q.device)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+        _bhld(dout.contiguous()), _bhld(q), _bhld(ke), _bhld(ve), _bhld(out), lse,
+        empty, empty, lq, lk, 0.0, causal, seed, empty, scale=scale)
+    return _bhld(dq), _reduce_kv_grad(_bhld(dk), hkv), _reduce_kv_grad(_bhld(dv), hkv)
+
+
+def _efficient_forward(q, k, v, causal, scale):
+    k, v = _expand_kv(k, v, q.shape[2])
+    o, lse, *_ = aten._scaled_dot_product_efficient_attention(
+        _bhld(q), _bhld(k), _bhld(v), None, True, 0.0, causal, scale=scale)
+    return _bhld(o), lse[:, :, : q.shape[1]]  # the LSE is padded to a multiple of 32
+
+
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    hkv = k.shape[2]
+    ke, ve = _expand_kv(k, v, q.shape[2])
+    pad = (-lse.shape[-1]) % 32
+    lse_p = F.pad(lse, (0, pad)) if pad else lse
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        _bhld(dout.contiguous()), _bhld(q), _bhld(ke), _bhld(ve), None, _bhld(out), lse_p.contiguous(),
+        seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+    return _bhld(dq), _reduce_kv_grad(_bhld(dk), hkv), _reduce_kv_grad(_bhld(dv), hkv)
+
+
+def _flash_attn_forward(q, k, v, causal, scale):
+    fai = _flash_attn_module()
+    # Keyword arguments keep us independent of positional drift between flash-attn releases.
+    res = fai._flash_attn_forward(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal,
+                                  window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                  alibi_slopes=None, return_softmax=False)
+    return res[0], res[1]
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
+    fai = _flash_attn_module()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fai._flash_attn_backward(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, dropout_p=0.0,
+                             softmax_scale=scale, causal=causal, window_size_left=-1,
+                             window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                             deterministic=False, rng_state=None)
+    return dq, dk, dv
+
+
+_FORWARD = {"math": _math_forward, "cpu": _cpu_forward, "cudnn": _cudnn_forward,
+            "flash": _flash_forward, "efficient": _efficient_forward, "flash_attn": _flash_attn_forward}
+_BACKWARD = {"math": _math_backward, "cpu": _cpu_backward, "cudnn": _cudnn_backward,
+             "flash": _flash_backward, "efficient": _efficient_backward, "flash_attn": _flash_attn_backward}
+
+
+# ----------------------------------------------------------------------------------------------
+# public facade
+# ----------------------------------------------------------------------------------------------
+def attn_forward(q, k, v, causal: bool = True, softmax_scale: float | None = None,
+                 backend: str | None = None):
+    """Attention of one block. Returns ``out`` (q's dtype, (B,Lq,Hq,D)) and ``lse`` (fp32, (B,Hq,Lq))."""
+    _check(q, k, v, causal)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _FORWARD[choose_backend(q, backend)](q, k, v, causal, scale)
+
+
+def attn_backward(dout, q, k, v, out, lse, causal: bool = True, softmax_scale: float | None = None,
+                  backend: str | None = None):
+    """Gradients of one block given the saved ``out``/``lse`` of the *whole* row (not of this block).
+
+    Passing the final merged out/lse of a ring makes each block's dq/dk/dv exact contributions
+    (the softmax normaliser and rowsum(dO∘O) are those of the full row).
+    """
+    _check(q, k, v, causal)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _BACKWARD[choose_backend(q, backend)](dout, q, k, v, out, lse, causal, scale)
+
+
+def merge_attn_out(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                   block_lse: torch.Tensor) -> None:
+    """Fold a block's ``(block_out, block_lse)`` into the float32 accumulators ``(out, lse)`` in place.
+
+    out: fp32 (B, L, H, D); lse: fp32 (B, H, L). Written as
+      lse' = lse - logsigmoid(lse - block_lse),  out' = out - sigmoid(block_lse - lse) * (out - block_out)
+    which never exponentiates a large positive number (the form ring-flash-attention adopted in its
+    PR #34 discussion of LSE overflow); ``lse = -inf`` (no keys seen yet) takes the block as is.
+    """
+    lse_bl = lse.transpose(1, 2).unsqueeze(-1)           # (B, L, H, 1) view onto lse
+    blk = block_lse.transpose(1, 2).unsqueeze(-1).to(lse.dtype)
+    w = torch.sigmoid(blk - lse_bl)
+    out.sub_(w * (out - block_out.to(out.dtype)))
+    new = torch.maximum(lse_bl, blk) + F.softplus(-(lse_bl - blk).abs())
+    new = torch.where(torch.isneginf(lse_bl), blk, new)
+    lse_bl.copy_(new)
+
+
+def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None):
+    """Differentiable full attention (autograd through plain ops): the test oracle."""
+    _check(q, k, v, causal)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    qg, kg, vg = _grouped(q, k, v)
+    s = _scores(qg, kg, scale, 0, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.softmax(s, dim=-1), vg)
+    b, lq, hq, d = q.shape
+    return out.reshape(b, hq, lq, d).permute(0, 2, 1, 3).to(q.dtype), lse.reshape(b, hq, lq)

@@ -1,0 +1,36 @@
+"""USP layout (ring degree R x ulysses degree U = sp size W).
+
+sp rank s = ring_rank * U + ulysses_rank (Ulysses groups are runs of consecutive ranks, so the
+all-to-all stays inside a node). The sequence is first split zigzag over the R ring ranks (ring rank r
+holds chunks r and 2R-1-r of 2R), then that local sequence is split contiguously over the U Ulysses
+ranks. The Ulysses all-to-all gathers exactly the ring rank's zigzag-local sequence back.
+"""
+import torch
+
+from ..sharding import check_divisible, contiguous_shard, zigzag_shard, zigzag_unshard
+
+
+def _degrees(world_size: int, ring_degree: int | None):
+    r = world_size if ring_degree is None else int(ring_degree)
+    if r < 1 or world_size % r != 0:
+        raise ValueError(f"usp_attn: ring_degree ({ring_degree}) must divide the sequence-parallel size "
+                         f"({world_size}): ring_degree x ulysses_degree = {world_size}")
+    return r, world_size // r
+
+
+def seq_multiple(world_size: int, ring_degree: int | None = None, **_) -> int:
+    r, u = _degrees(world_size, ring_degree)
+    return 2 * r * u
+
+
+def shard(x, rank, world_size, dim=1, ring_degree=None, **_):
+    r, u = _degrees(world_size, ring_degree)
+    check_divisible(x.shape[dim], 2 * r * u, f"usp_attn with ring {r} x ulysses {u} (2 x {r} x {u})")
+    local = zigzag_shard(x, rank // u, r, dim)
+    return contiguous_shard(local, rank % u, u, dim)
+
+
+def unshard(shards, dim=1, ring_degree=None, **_):
+    r, u = _degrees(len(shards), ring_degree)
+    per_ring = [torch.cat(list(shards[i * u:(i + 1) * u]), dim=dim) for i in range(r)]
+    return zigzag_unshard(per_ring, dim)

@@ -1,0 +1,111 @@
+"""Run a function on N CPU ranks (gloo) from an ordinary pytest test.
+
+    from tests.harness import run_ranks
+    def _body(rank, world_size, n):          # module level, so spawn can import it
+        ...assertions...
+    def test_x():
+        run_ranks(_body, world_size=4, args=(3,))
+
+Each rank is a spawned process with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set and a gloo process
+group (short collective timeout). A rank's exception comes back with its rank number and traceback;
+the first failure or the overall ``timeout`` kills every rank, so a deadlock fails in ~2 minutes
+instead of hanging CI. Put many cases in one body: each spawn pays seconds of imports.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, args, kwargs, results, collective_timeout):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
+        fn(rank, world_size, *args, **kwargs)
+        results.put((rank, None))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
+              timeout: float = 120.0, collective_timeout: float = 60.0) -> None:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; raise on any failure."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, daemon=True,
+                         args=(fn, r, world_size, port, args, kwargs or {}, results, collective_timeout))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    errors: dict[int, str] = {}
+    done: set[int] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, err = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and not errors:
+                    # a rank died without reporting (segfault, os._exit): give the queue a moment
+                    time.sleep(1.0)
+                    if results.empty():
+                        dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                        errors.update({i: f"rank {i} died with exit code {procs[i].exitcode}" for i in dead})
+                        break
+                continue
+            done.add(rank)
+            if err is not None:
+                errors[rank] = err
+                # other ranks are likely blocked in a collective with the failed one: collect what
+                # arrives in a short grace period, then stop everyone.
+                grace = time.monotonic() + 3.0
+                while time.monotonic() < grace and len(done) < world_size:
+                    try:
+                        r2, e2 = results.get(timeout=0.2)
+                        done.add(r2)
+                        if e2 is not None:
+                            errors[r2] = e2
+                    except queue.Empty:
+                        pass
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+    if errors:
+        msg = "\n".join(f"--- rank {r} of {world_size} failed ---\n{e}" for r, e in sorted(errors.items()))
+        raise AssertionError(msg)
+    missing = sorted(set(range(world_size)) - done)
+    if missing:
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
+                           "(deadlock or mismatched collectives?)")
