@@ -212,7 +212,7 @@ def _reduce_kv_grad(dk, hkv):
 def _cpu_forward(q, k, v, causal, scale):
     o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
         _bhld(q), _bhld(k), _bhld(v), 0.0, causal, scale=scale)
-    return _bhld(o), lse.float()
+    return _bhld(o), lse if q.dtype == torch.float64 else lse.float()
 
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
@@ -221,7 +221,7 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
     ke, ve = _expand_kv(k, v, q.shape[2])
     dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _bhld(dout.contiguous()), _bhld(q), _bhld(ke), _bhld(ve), _bhld(out.contiguous()),
-        lse.to(q.dtype) if q.dtype == torch.float64 else lse, 0.0, causal, scale=scale)
+        lse, 0.0, causal, scale=scale)
     return _bhld(dq), _reduce_kv_grad(_bhld(dk), hkv), _reduce_kv_grad(_bhld(dv), hkv)
 
 

@@ -1,0 +1,193 @@
+"""Model-level equivalence: a sequence-parallel HF model equals the single-process one.
+
+Shared by every mode's tests (zigzag, ulysses, usp, dist_flash). Call from a ``run_ranks`` body:
+
+    from tests.model_equiv import check_model_equivalence
+    def _body(rank, world_size):
+        for family in ("llama", "mistral", "qwen2"):
+            check_model_equivalence(rank, world_size, "zigzag_ring_attn", family)
+
+What is checked (float32, CPU, within ``rel`` = 1e-5 relative, tests/tols.assert_close):
+  * the unsharded logits (all_gather over the sp group + ``unshard_sequence``),
+  * the global token-mean cross-entropy over valid labels (``-100`` ignored): each rank sums its local
+    CE and divides by the all-reduced global valid count, so the all-reduced loss is the true mean even
+    when one rank holds no valid label (no NaN),
+  * every parameter's gradient, all-reduced (SUM) over the sp group,
+against the same model run on the full sequence in this process. Every rank builds the same model from a
+config with a fixed seed (no downloads) and the same random tokens.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from easy_context import (apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs, shard_sequence,
+                          unshard_sequence)
+from tests.tols import assert_close
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+IGNORE = -100
+
+# Tiny but not trivial: GQA (4 q heads / 2 kv heads), head_dim 16, 2 layers, a non-default RoPE theta.
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096, rope_theta=50000.0,
+               attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def make_config(family: str, **overrides):
+    """A tiny float32 config for ``family`` (mistral/qwen2 with full attention, no sliding window)."""
+    import transformers as tf
+    kw = dict(_COMMON)
+    if family == "llama":
+        cls = tf.LlamaConfig
+    elif family == "mistral":
+        cls, kw["sliding_window"] = tf.MistralConfig, None
+    elif family == "qwen2":
+        cls, kw["use_sliding_window"], kw["sliding_window"] = tf.Qwen2Config, False, None
+    elif family == "qwen3":
+        cls, kw["use_sliding_window"], kw["sliding_window"], kw["head_dim"] = tf.Qwen3Config, False, None, 16
+    else:
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def build_model(family: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    """The same tiny float32 causal LM on every rank (fixed seed; built from a config)."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(make_config(family, **overrides), dtype=torch.float32,
+                                                attn_implementation=attn_implementation)
+    return model.float().train()
+
+
+def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 1, labels_mask=None):
+    """Random tokens; ``target = next token``, invalid targets set to -100.
+
+    labels_mask: None (all valid) | "random" (about half masked) | a bool (batch, seq_len) tensor of
+    valid positions.
+    """
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
+    input_ids, target_ids = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    valid = torch.ones(batch, seq_len, dtype=torch.bool)
+    if isinstance(labels_mask, str):
+        if labels_mask != "random":
+            raise ValueError(f"labels_mask preset {labels_mask!r}; use 'random', 'one_rank' or a bool tensor")
+        valid = torch.rand(batch, seq_len, generator=g) < 0.5
+        valid[:, 0] = True  # never all masked
+    elif labels_mask is not None:
+        valid = labels_mask.bool().clone()
+    target_ids[~valid] = IGNORE
+    position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch, -1).clone()
+    return input_ids, position_ids, target_ids
+
+
+def _loss_sum_and_count(logits, target_ids):
+    """Sum of CE over valid targets (0, not NaN, when none is valid) and the number of valid targets."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target_ids.reshape(-1),
+                         ignore_index=IGNORE, reduction="sum")
+    return ce, (target_ids != IGNORE).sum()
+
+
+def reference_step(model, input_ids, position_ids, target_ids):
+    """Single-process full-sequence forward/backward: (logits, loss, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids, position_ids=position_ids, use_cache=False).logits
+    ce, n = _loss_sum_and_count(logits, target_ids)
+    loss = ce / n
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), grads
+
+
+def _sp_group(groups):
+    """The process group spanning the sequence-parallel ranks (the world unless ``group`` is given)."""
+    if groups and groups.get("group") is not None:
+        return groups["group"]
+    return None
+
+
+def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batch=2, layout_kw=None,
+                            groups=None, labels_mask=None, *, patch="instance", sp_group=None,
+                            rel=1e-5, seed=0, model_kw=None):
+    """Assert that ``seq_algo`` on this sp group reproduces single-process logits, loss and grads.
+
+    rank/world_size: this process in the world (used only for messages; sp rank/size come from the sp
+    group). layout_kw: extra kwargs of the layout (``ring_degree=`` for usp). groups: process-group
+    kwargs for ``apply_seq_parallel_monkey_patch`` (``{"group": g}`` or usp's ring/ulysses groups).
+    sp_group: the group over which the sequence is split and grads are summed (default: ``groups["group"]``,
+    else the world). labels_mask: None | "random" | "one_rank" (every valid label on sp rank 0) | a bool
+    (batch, seq_len) tensor of valid positions. patch: "instance" (patch the model object) or "family"
+    (patch the family string, build the model after, restore with "data_parallel" at the end).
+    """
+    layout_kw = dict(layout_kw or {})
+    groups = dict(groups or {})
+    sp_group = sp_group if sp_group is not None else _sp_group(groups)
+    sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
+    tag = f"[{seq_algo} {family} W={sp_size} rank {rank}/{world_size} mask={labels_mask if isinstance(labels_mask, str) or labels_mask is None else 'tensor'} patch={patch}]"
+
+    ref = build_model(family, seed=seed, **(model_kw or {}))
+    if isinstance(labels_mask, str) and labels_mask == "one_rank":
+        # every valid label on sp rank 0 (its shard of the positions in this layout); the other ranks
+        # have local CE sums of 0 and must still give finite losses and correct grads
+        held = shard_sequence(seq_algo, torch.arange(seq_len), 0, sp_size, dim=-1, **layout_kw)
+        labels_mask = torch.zeros(batch, seq_len, dtype=torch.bool)
+        labels_mask[:, held] = True
+    input_ids, position_ids, target_ids = make_batch(batch, seq_len, ref.config.vocab_size, seed=seed + 1,
+                                                     labels_mask=labels_mask)
+    assert (target_ids != IGNORE).any(), f"{tag}: test setup has no valid label"
+    sp_model = copy.deepcopy(ref)  # identical weights, before anything touches ref
+    ref_logits, ref_loss, ref_grads = reference_step(ref, input_ids, position_ids, target_ids)
+
+    try:
+        if patch == "family":
+            apply_seq_parallel_monkey_patch(seq_algo, family, **groups)
+            fresh = build_model(family, seed=seed + 123, **(model_kw or {}))  # built AFTER the patch
+            fresh.load_state_dict(sp_model.state_dict())
+            sp_model = fresh
+        elif patch == "instance":
+            out = apply_seq_parallel_monkey_patch(seq_algo, sp_model, **groups)
+            assert out is sp_model
+        else:
+            raise ValueError(f"patch must be 'instance' or 'family', got {patch!r}")
+
+        prepared = prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, sp_rank, sp_size,
+                                               torch.device("cpu"), **layout_kw)
+        # the local positions are the true global ones (RoPE stays right)
+        assert torch.equal(prepared["local_position_ids"],
+                           shard_sequence(seq_algo, position_ids, sp_rank, sp_size, dim=-1, **layout_kw))
+        sp_model.zero_grad(set_to_none=True)
+        logits = sp_model(prepared["local_input_ids"], position_ids=prepared["local_position_ids"],
+                          use_cache=False).logits
+        local_sum, local_n = _loss_sum_and_count(logits, prepared["local_target_ids"])
+        n = local_n.clone()
+        dist.all_reduce(n, group=sp_group)
+        loss = local_sum / n
+        assert torch.isfinite(loss), f"{tag}: local loss is {loss.item()} (local valid labels {int(local_n)})"
+        loss.backward()
+
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=sp_group)
+        gathered = [torch.empty_like(logits) for _ in range(sp_size)]
+        dist.all_gather(gathered, logits.detach().contiguous(), group=sp_group)
+        full_logits = unshard_sequence(seq_algo, gathered, dim=1, **layout_kw)
+        assert_close(full_logits, ref_logits, rel, f"{tag} logits")
+        assert_close(total, ref_loss, rel, f"{tag} loss")
+        for name, p in sp_model.named_parameters():
+            assert p.grad is not None, f"{tag}: no gradient for {name}"
+            g = p.grad.detach().clone()
+            dist.all_reduce(g, group=sp_group)
+            assert_close(g, ref_grads[name], rel, f"{tag} grad {name}")
+    finally:
+        if patch == "family":
+            apply_seq_parallel_monkey_patch("data_parallel", family)
+    if patch == "family":
+        # restored: a model built now runs plain full-sequence attention again
+        plain = build_model(family, seed=seed, **(model_kw or {}))
+        with torch.no_grad():
+            again = plain(input_ids, position_ids=position_ids, use_cache=False).logits
+        assert_close(again, ref_logits, rel, f"{tag} logits after restoring data_parallel")
