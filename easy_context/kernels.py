@@ -233,13 +233,15 @@ def _cudnn_forward(q, k, v, causal, scale):
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
+    # Dense (non-varlen) call: cum_seq/attn_bias are None, philox state unused without dropout
+    # (probed on H200 / torch 2.11: None is accepted where the forward returned None).
     hkv = k.shape[2]
     ke, ve = _expand_kv(k, v, q.shape[2])
     lq, lk = q.shape[1], k.shape[1]
-    empty = torch.empty(0, device=q.device)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
         _bhld(dout.contiguous()), _bhld(q), _bhld(ke), _bhld(ve), _bhld(out), lse.unsqueeze(-1),
-        empty, empty, empty, empty, empty, lq, lk, 0.0, causal, scale=scale)
+        seed, seed, None, None, None, lq, lk, 0.0, causal, scale=scale)
     return _bhld(dq), _reduce_kv_grad(_bhld(dk), hkv), _reduce_kv_grad(_bhld(dv), hkv)
 
 
@@ -254,11 +256,11 @@ def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     hkv = k.shape[2]
     ke, ve = _expand_kv(k, v, q.shape[2])
     lq, lk = q.shape[1], k.shape[1]
-    empty = torch.empty(0, device=q.device)
-    seed = torch.empty(2, dtype=torch.uint64 if hasattr(torch, "uint64") else torch.int64, device=q.device)
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, dtype=torch.uint64, device=q.device)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
         _bhld(dout.contiguous()), _bhld(q), _bhld(ke), _bhld(ve), _bhld(out), lse,
-        empty, empty, lq, lk, 0.0, causal, seed, empty, scale=scale)
+        None, None, lq, lk, 0.0, causal, rng, unused, scale=scale)
     return _bhld(dq), _reduce_kv_grad(_bhld(dk), hkv), _reduce_kv_grad(_bhld(dv), hkv)
 
 

@@ -128,7 +128,8 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
     groups = dict(groups or {})
     sp_group = sp_group if sp_group is not None else _sp_group(groups)
     sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
-    tag = f"[{seq_algo} {family} W={sp_size} rank {rank}/{world_size} mask={labels_mask if isinstance(labels_mask, str) or labels_mask is None else 'tensor'} patch={patch}]"
+    mask_name = labels_mask if labels_mask is None or isinstance(labels_mask, str) else "tensor"
+    tag = f"[{seq_algo} {family} W={sp_size} rank {rank}/{world_size} mask={mask_name} patch={patch}]"
 
     ref = build_model(family, seed=seed, **(model_kw or {}))
     if isinstance(labels_mask, str) and labels_mask == "one_rank":

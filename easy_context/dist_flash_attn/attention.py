@@ -1,0 +1,243 @@
+"""DistFlashAttn forward/backward over the contiguous layout, driven by ``schedule.block_plan``.
+
+Idea and schedule from LightSeq / DistFlashAttn (Li et al. 2023, github.com/RulinShao/LightSeq); the code
+is ours and runs every block through ``easy_context.kernels`` (any backend, any dtype the backend takes).
+
+Layouts: q/out/dq/dout (B, L, Hq, D), k/v/dk/dv (B, L, Hkv, D) with L the local length (equal on every
+rank), lse float32 (B, Hq, L). GQA k/v travel with their own (fewer) heads.
+
+Pipeline (forward and backward alike): before computing step s the messages of the next step are issued
+together with the partial results of the previous step (one ``p2p_exchange``), so communication overlaps
+the current block. Accumulators are float32 and allocated per call; nothing is global; no synchronize.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import kernels
+from ..comm import group_rank_world, p2p_exchange
+from .schedule import (Block, all_plans, check_world_size, input_messages, num_steps,
+                       result_messages)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation (local only: runs before any collective)
+# ----------------------------------------------------------------------------------------------
+def validate(q, k, v, dropout_p=0.0, causal=True, group=None) -> tuple[int, int]:
+    if not causal:
+        raise ValueError("dist_flash_attn is causal only (its schedule balances causal work); "
+                         "pass causal=True, or use ulysses_attn for non-causal attention")
+    if dropout_p:
+        raise ValueError(f"dist_flash_attn does not support attention dropout (got dropout_p={dropout_p}); "
+                         "set config.attention_dropout=0")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("dist_flash_attn expects q, k, v shaped (batch, seq_local, heads, head_dim); got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            "dist_flash_attn needs q, k, v with the same batch, local length and head_dim, and k, v of "
+            f"equal shape; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] == 0:
+        raise ValueError("dist_flash_attn got an empty local sequence; the global length must be at least "
+                         "the number of ranks (shard with shard_sequence('dist_flash_attn', ...))")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    rank, world = group_rank_world(group)
+    check_world_size(world)
+    return rank, world
+
+
+def _acc_dtype(q):  # float32 accumulators (float64 stays float64 for the math-backend reference)
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _scale(q, softmax_scale):
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# the schedule runner shared by forward and backward
+# ----------------------------------------------------------------------------------------------
+def _run(rank, world, group, steps, backward, payload, alloc, diag, compute, consume):
+    """Run the off-diagonal ``steps`` in order, overlapping each step's compute with the next exchange.
+
+    payload(msg) -> tensors this rank sends for ``msg``; alloc(msg) -> receive buffers;
+    diag() computes step 0; compute(block, received) -> tensors for this rank's result message (or None);
+    consume(msg, tensors) folds a received partial result into the accumulators.
+    """
+    plan = all_plans(world)[rank]
+    results: dict[int, tuple] = {}
+    inputs: dict[int, tuple] = {}
+
+    def exchange(msgs):
+        sends, recvs, got = [], [], []
+        for m in msgs:  # the same global order on every rank keeps each peer pair's ops matched
+            if m.src == rank:
+                sends += [(t, m.dst) for t in payload(m, results)]
+            if m.dst == rank:
+                bufs = alloc(m)
+                recvs += [(b, m.src) for b in bufs]
+                got.append((m, bufs))
+        return p2p_exchange(sends, recvs, group), got
+
+    def finish(pending):
+        reqs, got = pending
+        for r in reqs:
+            r.wait()
+        for m, bufs in got:
+            if m.kind in ("kv", "q", "q_do_o_lse"):
+                inputs[m.step] = bufs
+            else:
+                consume(m, bufs)
+
+    pending = exchange(input_messages(steps[0], world, backward)) if steps else ([], [])
+    diag()  # overlaps the first exchange
+    for i, s in enumerate(steps):
+        finish(pending)
+        nxt = input_messages(steps[i + 1], world, backward) if i + 1 < len(steps) else []
+        prev = result_messages(steps[i - 1], world, backward) if i > 0 else []
+        pending = exchange(nxt + prev)
+        blk: Block | None = plan[s]
+        if blk is not None:
+            res = compute(blk, inputs.pop(s, None))
+            if res is not None:
+                results[s] = res
+    finish(pending)
+    if steps:
+        finish(exchange(result_messages(steps[-1], world, backward)))
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+def dist_flash_attn_forward(q, k, v, softmax_scale=None, group=None, backend=None):
+    """Causal attention of the contiguous local chunk -> (out in q's dtype, lse float32 (B, Hq, L))."""
+    rank, world = group_rank_world(group)
+    scale = _scale(q, softmax_scale)
+    o0, l0 = kernels.attn_forward(q, k, v, True, scale, backend)
+    if world == 1:
+        return o0, l0
+    ct = _acc_dtype(q)
+    acc = {"out": o0.to(ct), "lse": l0.to(ct).clone()}
+
+    def payload(m, results):
+        if m.kind == "kv":
+            return (k, v)
+        if m.kind == "q":
+            return (q,)
+        return results.pop(m.step)  # helper's (out, lse)
+
+    def alloc(m):
+        if m.kind == "kv":
+            return (torch.empty_like(k), torch.empty_like(v))
+        if m.kind == "q":
+            return (torch.empty_like(q),)
+        return (torch.empty_like(q), torch.empty_like(l0))
+
+    def compute(blk, got):
+        if blk.role(rank) == "own":  # my queries vs an earlier rank's kv: merge locally
+            o, lse = kernels.attn_forward(q, got[0], got[1], False, scale, backend)
+            kernels.merge_attn_out(acc["out"], acc["lse"], o, lse)
+            return None
+        o, lse = kernels.attn_forward(got[0], k, v, False, scale, backend)  # helper: their q, my kv
+        return (o, lse.to(l0.dtype))
+
+    def consume(m, bufs):  # a helper's partial result for my queries
+        kernels.merge_attn_out(acc["out"], acc["lse"], bufs[0], bufs[1])
+
+    _run(rank, world, group, list(range(1, num_steps(world))), False, payload, alloc,
+         lambda: None, compute, consume)
+    return acc["out"].to(q.dtype), acc["lse"]
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=None, backend=None):
+    """Gradients from the saved q, k, v and the *final* out/lse; the forward schedule in reverse order.
+
+    Owners compute dq for their queries and dk/dv for the remote kv (sent back to its owner); helpers
+    compute dq for the owner's queries (sent back) and dk/dv for their own kv (kept).
+    """
+    rank, world = group_rank_world(group)
+    scale = _scale(q, softmax_scale)
+    dout = dout.contiguous()
+    if world == 1:
+        return kernels.attn_backward(dout, q, k, v, out, lse, True, scale, backend)
+    acc = {}
+
+    def diag():
+        dq, dk, dv = kernels.attn_backward(dout, q, k, v, out, lse, True, scale, backend)
+        ct = _acc_dtype(q)
+        acc.update(dq=dq.to(ct), dk=dk.to(ct), dv=dv.to(ct))
+
+    def payload(m, results):
+        if m.kind == "kv":
+            return (k, v)
+        if m.kind == "q_do_o_lse":
+            return (q, dout, out, lse)
+        return results.pop(m.step)
+
+    def alloc(m):
+        if m.kind in ("kv", "dkv"):
+            return (torch.empty_like(k), torch.empty_like(v))
+        if m.kind == "q_do_o_lse":
+            return (torch.empty_like(q), torch.empty_like(dout), torch.empty_like(out), torch.empty_like(lse))
+        return (torch.empty_like(q),)  # dq
+
+    def compute(blk, got):
+        if blk.role(rank) == "own":
+            dq, dk, dv = kernels.attn_backward(dout, q, got[0], got[1], out, lse, False, scale, backend)
+            acc["dq"] += dq
+            return (dk, dv)  # belongs to the kv owner
+        dq, dk, dv = kernels.attn_backward(got[1], got[0], k, v, got[2], got[3], False, scale, backend)
+        acc["dk"] += dk
+        acc["dv"] += dv
+        return (dq,)  # belongs to the query owner
+
+    def consume(m, bufs):
+        if m.kind == "dkv":
+            acc["dk"] += bufs[0]
+            acc["dv"] += bufs[1]
+        else:
+            acc["dq"] += bufs[0]
+
+    _run(rank, world, group, list(range(num_steps(world) - 1, 0, -1)), True, payload, alloc,
+         diag, compute, consume)
+    return acc["dq"].to(q.dtype), acc["dk"].to(k.dtype), acc["dv"].to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
+def _forward_cached(q, k, v, softmax_scale, group, backend):
+    # Under selective checkpointing the layer's recomputation gets the stored (out, lse) back instead of
+    # running (and communicating) the distributed forward again — LightSeq's rematerialisation-aware
+    # checkpointing; see easy_context/memory/selective.py.
+    from ..memory.selective import cached_attention  # lazy: keeps the memory package off the import path
+    return cached_attention(lambda: dist_flash_attn_forward(q, k, v, softmax_scale, group, backend))
+
+
+class DistFlashAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, group, backend):
+        out, lse = _forward_cached(q, k, v, softmax_scale, group, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.group, ctx.backend = softmax_scale, group, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = dist_flash_attn_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.group,
+                                              ctx.backend)
+        return dq, dk, dv, None, None, None
+
+
+def dist_flash_attn(q, k, v, softmax_scale=None, group=None, backend=None):
+    """Differentiable when grads are needed; a plain forward otherwise (inference_mode, no_grad)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return DistFlashAttnFunc.apply(q, k, v, softmax_scale, group, backend)
+    return _forward_cached(q, k, v, softmax_scale, group, backend)[0]

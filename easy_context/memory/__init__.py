@@ -1,0 +1,76 @@
+"""Memory savers for long-sequence training of HF causal LMs (any sequence-parallel mode, ZeRO-3).
+
+    from easy_context.memory import configure_memory, causal_lm_loss
+    configure_memory(model, checkpointing="offload", offload_every_k=1, tiled_mlp=True)
+    loss = causal_lm_loss(model, local_input_ids, local_position_ids, local_target_ids, group=sp_group)
+
+* ``chunked_loss``  — LM head + cross-entropy chunk by chunk (no tokens x vocab tensor), token-weighted.
+* ``tiled_mlp``     — each decoder MLP runs over the sequence in tiles, forward and backward (ALST idea).
+* ``offload``       — checkpointed layer inputs in pinned host memory with overlapped copies; every-k nesting.
+* ``selective``     — keep attention output + LSE, recompute the rest (``enable_selective_checkpointing``).
+All are exact: same loss and gradients as without them (tests/test_memory.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .chunked_loss import causal_lm_loss, chunked_lm_loss, global_token_count, lm_head_loss
+from .offload import CheckpointOffload, enable_checkpoint_offload
+from .tiled_mlp import apply_tiled_mlp, tile_mlp, untile_mlp
+
+CHECKPOINTING = ("none", "layer", "selective", "offload", "nested")
+
+
+@dataclass
+class MemoryConfig:
+    checkpointing: str
+    offload_every_k: int
+    tiled_mlp: int | str | bool
+    offload: CheckpointOffload | None = None
+
+
+def _undo(model):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    for m in model.modules():
+        if isinstance(m, GradientCheckpointingLayer) and hasattr(m, "mlp"):
+            untile_mlp(m.mlp)
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+    model.__dict__.pop("_easy_context_offload", None)
+
+
+def configure_memory(model, checkpointing: str = "layer", offload_every_k: int = 1,
+                     tiled_mlp: bool | int | str = False) -> MemoryConfig:
+    """Set the memory options of a transformers causal LM (call again to change them; idempotent).
+
+    checkpointing: ``"none"``; ``"layer"`` (HF per-layer, non-reentrant); ``"selective"`` (keep attention
+      output + LSE, recompute the rest); ``"offload"`` (per-layer, kept inputs in pinned host memory, one
+      kept per ``offload_every_k`` layers); ``"nested"`` (like offload but kept on the GPU, one per k layers).
+    tiled_mlp: False, True/"auto" (tiles of ~hidden_size tokens, ALST's default) or a number of tiles.
+    The chunked loss is not a model setting: compute the loss with ``causal_lm_loss``.
+    """
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
+    if int(offload_every_k) < 1:
+        raise ValueError(f"offload_every_k must be >= 1, got {offload_every_k}")
+    _undo(model)
+    mgr = None
+    if checkpointing == "layer":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif checkpointing == "selective":
+        try:
+            from .selective import enable_selective_checkpointing
+        except ImportError as e:
+            raise ValueError("checkpointing='selective' needs easy_context/memory/selective.py "
+                             f"(not available: {e})") from None
+        enable_selective_checkpointing(model)
+    elif checkpointing in ("offload", "nested"):
+        mgr = enable_checkpoint_offload(model, offload=checkpointing == "offload", every_k=offload_every_k)
+    if tiled_mlp:
+        apply_tiled_mlp(model, "auto" if tiled_mlp is True else tiled_mlp)
+    return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, mgr)
+
+
+__all__ = ["configure_memory", "MemoryConfig", "CHECKPOINTING", "causal_lm_loss", "chunked_lm_loss",
+           "lm_head_loss", "global_token_count", "apply_tiled_mlp", "tile_mlp", "untile_mlp",
+           "CheckpointOffload", "enable_checkpoint_offload"]

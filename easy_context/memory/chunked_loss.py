@@ -1,0 +1,166 @@
+"""Chunked LM head + cross-entropy: never a (tokens x vocab) tensor, in forward or backward.
+
+A plain HF step materialises full-vocabulary logits (and their fp32 upcast and gradient): for Llama-2
+(32K vocab) that is ~128-384 KB per token, more than all checkpointed hidden states together. Here the
+head's matmul, the fp32 log-softmax and its gradient run one token chunk at a time; backward recomputes a
+chunk's logits from the saved hidden states (one extra head matmul per step, ~2% of a 7B step). The same
+idea as Liger-Kernel's fused linear cross-entropy and DeepSpeed ALST's TiledFusedLogitsLoss; written here
+as one autograd.Function.
+
+Layout legend: hidden ``(N, d)`` (tokens flattened), weight ``(V, d)`` (nn.Linear layout), targets ``(N,)``.
+
+ZeRO-3 / FSDP: the head's weight may be a partitioned parameter that is only whole inside the module's own
+forward (and again when its backward runs). ``lm_head_loss`` therefore runs the chunked function *as* the
+lm_head module's forward (temporarily swapped in on the instance), so the framework's module hooks gather
+the weight before the call and again before backward, exactly as for an ordinary ``nn.Linear`` call, and
+the weight gradient reaches the framework's gradient hooks through the normal AccumulateGrad path.
+(``deepspeed.zero.GatheredParameters`` would only cover the forward: our backward recomputes logits and
+needs the whole weight again.)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    # ~2^27 logits per chunk: 512 MB of fp32 logits at any vocab size (4096 tokens for a 32K vocab).
+    return max(256, (1 << 27) // max(1, vocab_size))
+
+
+class ChunkedLMLoss(torch.autograd.Function):
+    """(hidden, weight, targets) -> (nll_sum fp32 scalar, valid count int64 scalar)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index):
+        n = hidden.shape[0]
+        valid = targets != ignore_index
+        safe_t = torch.where(valid, targets, torch.zeros_like(targets))  # ignore_index may be -100
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        nll = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            # matmul in the model dtype (as nn.Linear would), softmax math in fp32 (as HF's loss does)
+            logits = (hidden[s:e] @ weight.t()).float()
+            lse_c = torch.logsumexp(logits, dim=-1)
+            tgt = logits.gather(1, safe_t[s:e, None]).squeeze(1)
+            lse[s:e] = lse_c
+            nll += ((lse_c - tgt) * valid[s:e]).sum()
+            del logits
+        count = valid.sum()
+        ctx.mark_non_differentiable(count)
+        ctx.save_for_backward(hidden, weight, safe_t, valid, lse)
+        ctx.chunk_size = chunk_size
+        return nll, count
+
+    @staticmethod
+    def backward(ctx, grad_nll, grad_count):
+        hidden, weight, safe_t, valid, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, cs = hidden.shape[0], ctx.chunk_size
+        dh = torch.empty_like(hidden) if need_h else None
+        # fp32 accumulator for the weight gradient: per-chunk products are summed outside the matmul
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        scale = grad_nll.float()
+        for s in range(0, n, cs):
+            e = min(n, s + cs)
+            h = hidden[s:e]
+            # d nll / d logits = softmax - onehot(target), zero on ignored rows; recomputed per chunk
+            g = (h @ weight.t()).float()
+            g.sub_(lse[s:e, None]).exp_()
+            rows = torch.arange(e - s, device=g.device)
+            g[rows, safe_t[s:e]] -= 1.0
+            g.mul_((valid[s:e].float() * scale)[:, None])
+            g = g.to(hidden.dtype)
+            if need_h:
+                dh[s:e] = g @ weight
+            if need_w:
+                if dw.dtype == g.dtype:
+                    dw.addmm_(g.t(), h)
+                else:
+                    dw += (g.t() @ h).float()
+            del g
+        return dh, (dw.to(weight.dtype) if need_w else None), None, None, None
+
+
+def chunked_lm_loss(hidden, lm_head_weight, targets, chunk_size=None, ignore_index=-100):
+    """Sum of token NLLs and number of valid targets, computed chunk by chunk.
+
+    hidden ``(..., d)``, lm_head_weight ``(V, d)``, targets ``(...)`` (same leading shape; ``ignore_index``
+    marks tokens without a target). Returns ``(nll_sum, count)``: fp32 scalar (differentiable w.r.t.
+    hidden and weight) and int64 scalar. Peak extra memory is one ``(chunk_size, V)`` fp32 block.
+    """
+    d = hidden.shape[-1]
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != d:
+        raise ValueError(f"lm_head_weight must be (vocab, {d}); got {tuple(lm_head_weight.shape)} "
+                         "(under ZeRO-3 call lm_head_loss(model.lm_head, ...) so the weight is gathered)")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}")
+    chunk_size = int(chunk_size or default_chunk_size(lm_head_weight.shape[0]))
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return ChunkedLMLoss.apply(hidden.reshape(-1, d), lm_head_weight, targets.reshape(-1).long(),
+                               chunk_size, ignore_index)
+
+
+def lm_head_loss(lm_head: torch.nn.Module, hidden, targets, chunk_size=None, ignore_index=-100):
+    """``chunked_lm_loss`` run as ``lm_head``'s own forward, so ZeRO-3 / FSDP module hooks gather the
+    (partitioned) weight for forward and backward. ``lm_head`` must be a bias-free Linear-like module with
+    ``.weight`` of shape (V, d)."""
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("chunked loss supports a bias-free lm_head only (Llama/Mistral/Qwen have none)")
+
+    def forward(h, t):
+        return chunked_lm_loss(h, lm_head.weight, t, chunk_size, ignore_index)
+
+    had = "forward" in lm_head.__dict__
+    prev = lm_head.__dict__.get("forward")
+    lm_head.forward = forward
+    try:
+        return lm_head(hidden, targets)
+    finally:
+        if had:
+            lm_head.forward = prev
+        else:
+            del lm_head.forward
+
+
+def global_token_count(count: torch.Tensor, group=None) -> torch.Tensor:
+    """Valid-target count summed over ``group`` (no grad). Identity without torch.distributed."""
+    total = count.detach().to(torch.float32).clone()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def _decoder(model):
+    if hasattr(model, "get_decoder"):
+        dec = model.get_decoder()
+        if dec is not None and dec is not model:
+            return dec
+    if hasattr(model, "model"):
+        return model.model
+    raise ValueError(f"cannot find the base model of {type(model).__name__} (no get_decoder()/.model)")
+
+
+def causal_lm_loss(model, input_ids, position_ids, targets, group=None, chunk_size=None, ignore_index=-100,
+                   **model_kwargs):
+    """Token-weighted causal-LM loss of this rank's shard, without full logits.
+
+    Runs the base model (``model.get_decoder()``) for hidden states and the chunked head on them. The loss is
+    ``local NLL sum / valid tokens summed over group``, so summing it over the ranks of ``group`` gives the
+    exact mean over the whole (sharded) sequence, and gradients summed over ranks are the full-sequence
+    gradients. Frameworks that *average* gradients over N ranks (DDP, DeepSpeed) need ``loss * N``. A
+    sequence with no valid target gives 0 (not NaN). ``targets`` are already shifted (EasyContext's
+    ``local_target_ids``), ``ignore_index`` marks tokens without one.
+    """
+    out = _decoder(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
+    nll, count = lm_head_loss(head, hidden, targets, chunk_size, ignore_index)
+    return nll / global_token_count(count, group).clamp_min(1.0)
+
+
+__all__ = ["ChunkedLMLoss", "chunked_lm_loss", "lm_head_loss", "causal_lm_loss", "global_token_count",
+           "default_chunk_size"]

@@ -1,0 +1,277 @@
+"""Checkpoint offload: per-layer checkpointed inputs live in pinned CPU memory, not on the GPU.
+
+With per-layer checkpointing a Llama-7B keeps 8 KB/token/layer of layer inputs (256 KB/token for 32
+layers) on the GPU until backward. ``CheckpointOffload`` is a checkpoint function plugged into transformers'
+own gradient checkpointing (``GradientCheckpointingLayer._gradient_checkpointing_func``; no forward is
+copied) that
+
+* runs the layer without autograd and copies its input to pinned host memory on a side CUDA stream
+  (the copy overlaps the next layer's compute; ``record_stream`` keeps the GPU block alive until it is done);
+* in backward, copies the input back and starts the copy for the previous checkpoint before recomputing
+  this layer (prefetch: the H2D copy overlaps the current layer's recompute + backward);
+* with ``every_k > 1`` keeps (offloads) only every k-th layer input: when the last layer of a group of k
+  runs backward, the group's inner inputs are recomputed from the kept one and held on the GPU until each
+  layer's backward (nested checkpointing; one extra layer forward per layer, host memory / k). Use it when
+  host RAM is short, or with ``offload=False`` to cut GPU memory without a host.
+
+Backward is reentrant-style (like ``use_reentrant=True`` and DeepSpeed's activation checkpointing): the
+layer is recomputed with autograd on and ``torch.autograd.backward`` accumulates the parameter gradients,
+which is what ZeRO-3's per-module gather hooks expect. RNG state and autocast are replayed, so dropout
+masks match. On CPU tensors "offload" is a copy: the same code path, exact results.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _autocast_state(device_type: str):
+    try:
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except (AttributeError, TypeError, RuntimeError):  # older torch
+        return False, None
+
+
+class _RngState:
+    """CPU + device RNG state at forward time, so the recompute draws the same random numbers."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.dev = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def fork(self):
+        devices = [self.device] if self.dev is not None else []
+        ctx = torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda")
+        return _Restore(ctx, self)
+
+
+class _Restore:
+    def __init__(self, ctx, st):
+        self.ctx, self.st = ctx, st
+
+    def __enter__(self):
+        self.ctx.__enter__()
+        torch.set_rng_state(self.st.cpu)
+        if self.st.dev is not None:
+            torch.cuda.set_rng_state(self.st.dev, self.st.device)
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc)
+
+
+class _Stash:
+    """One kept layer input: on the GPU, or copied to (pinned) host memory and prefetched back."""
+
+    def __init__(self, mgr: "CheckpointOffload", x: torch.Tensor, offload: bool):
+        self.mgr, self.shape, self.dtype, self.device = mgr, x.shape, x.dtype, x.device
+        self.gpu = self.host = self.buf = self.ev = None
+        x = x.detach()
+        if not offload:
+            self.gpu = x
+        elif x.device.type != "cuda":
+            self.host = x.clone()  # CPU run: a plain copy, so the path is exercised and exact
+        else:
+            stream = mgr.stream(x.device)
+            self.buf = mgr.pinned(x.numel() * x.element_size())
+            self.host = self.buf[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+            stream.wait_stream(torch.cuda.current_stream(x.device))  # x is fully written
+            with torch.cuda.stream(stream):
+                self.host.copy_(x, non_blocking=True)
+            x.record_stream(stream)  # the allocator may not reuse x's block before the copy ends
+            self.ev = torch.cuda.Event()
+            self.ev.record(stream)
+
+    def prefetch(self):
+        """Start the H2D copy on the side stream (no-op if kept on GPU / on CPU / already started)."""
+        if self.gpu is not None or self.host is None or self.device.type != "cuda":
+            return
+        main = torch.cuda.current_stream(self.device)
+        stream = self.mgr.stream(self.device)
+        self.gpu = torch.empty(self.shape, dtype=self.dtype, device=self.device)  # allocated on main
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            self.gpu.copy_(self.host, non_blocking=True)
+        self.ev = torch.cuda.Event()
+        self.ev.record(stream)
+
+    def get(self) -> torch.Tensor:
+        if self.host is not None and self.device.type != "cuda":
+            x, self.host = self.host, None
+            return x
+        self.prefetch()
+        if self.ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ev)
+        x = self.gpu
+        self.release()
+        return x
+
+    def release(self):
+        if self.buf is not None:
+            # the H2D copy that read the buffer is ordered before any later side-stream write
+            self.mgr.give_back(self.buf)
+        self.gpu = self.host = self.buf = None
+
+
+class _Group:
+    """k consecutive layers sharing one kept input (the first layer's)."""
+
+    def __init__(self, stash: _Stash):
+        self.stash, self.fns, self.cache = stash, [], {}
+
+    def _fetch(self) -> torch.Tensor:
+        x = self.stash.get()
+        self.stash.mgr.prefetch_before(self)  # overlap the previous group's H2D with this backward
+        return x
+
+    def input_for(self, j: int) -> torch.Tensor:
+        if j == 0 and 0 not in self.cache:
+            return self._fetch()
+        if j not in self.cache:
+            # the last layer of the group runs backward first: rebuild all inner inputs once, no autograd
+            x = self._fetch()
+            self.cache[0] = x
+            with torch.no_grad():
+                for i in range(len(self.fns) - 1):
+                    x = self.fns[i].replay(x)
+                    self.cache[i + 1] = x
+        return self.cache.pop(j)
+
+
+class _LayerCall:
+    """What one checkpointed layer call needs to be replayed: the function, RNG and autocast state."""
+
+    def __init__(self, fn, device):
+        self.fn = fn
+        self.rng = _RngState(device)
+        self.device_type = device.type
+        self.autocast = _autocast_state(device.type)
+
+    def replay(self, x):
+        enabled, dtype = self.autocast
+        with self.rng.fork(), torch.autocast(self.device_type, enabled=enabled, dtype=dtype):
+            return _first(self.fn(x))
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, group, j, hidden, _dummy):
+        ctx.call, ctx.group, ctx.j = call, group, j
+        return _first(call.fn(hidden)).detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        group, j = ctx.group, ctx.j
+        x = group.input_for(j)
+        with torch.enable_grad():
+            h = x.detach().requires_grad_(True)
+            out = ctx.call.replay(h)
+        torch.autograd.backward(out, grad_out)
+        return None, None, None, h.grad, None
+
+
+class CheckpointOffload:
+    """Per-model checkpoint function factory; see the module docstring.
+
+    offload: copy kept inputs to host memory (else keep them on the GPU: plain/nested checkpointing).
+    every_k: keep one input per k layers (nested recompute of the others).
+    """
+
+    def __init__(self, offload: bool = True, every_k: int = 1):
+        if int(every_k) < 1:
+            raise ValueError(f"every_k must be >= 1, got {every_k}")
+        self.offload, self.every_k = bool(offload), int(every_k)
+        self._streams: dict = {}
+        self._pool: dict[int, list] = {}
+        self._order: list[_Group] = []  # groups of the current forward, in order (for prefetch)
+        self._open: _Group | None = None
+
+    # -- host memory / streams ---------------------------------------------------------------------
+    def stream(self, device):
+        key = torch.device(device).index
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        free = self._pool.get(nbytes)
+        if free:
+            return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def give_back(self, buf: torch.Tensor):
+        self._pool.setdefault(buf.numel(), []).append(buf)
+
+    def reserve(self, count: int, nbytes: int):
+        """Pin ``count`` host buffers of ``nbytes`` ahead of time (pinning is slow; do it off the clock)."""
+        have = len(self._pool.get(nbytes, []))
+        for _ in range(count - have):
+            self.give_back(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+
+    def release_pool(self):
+        """Drop cached pinned buffers (call between runs of different lengths to cap host memory)."""
+        self._pool.clear()
+
+    # -- the checkpoint function -------------------------------------------------------------------
+    def layer_function(self, layer_idx: int):
+        """A ``_gradient_checkpointing_func`` for decoder layer ``layer_idx`` (0-based, forward order)."""
+        mgr = self
+
+        def checkpoint_fn(function, *args, **kwargs):
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise ValueError("checkpoint offload needs the hidden states as the first positional argument")
+            hidden, rest = args[0], args[1:]
+            if any(isinstance(a, torch.Tensor) and a.requires_grad for a in rest) or any(
+                    isinstance(v, torch.Tensor) and v.requires_grad for v in kwargs.values()):
+                raise ValueError("checkpoint offload: only the first positional argument may require grad")
+
+            def fn(h):
+                return function(h, *rest, **kwargs)
+
+            j = layer_idx % mgr.every_k
+            if layer_idx == 0:
+                mgr._order = []
+            if j == 0 or mgr._open is None:
+                mgr._open = _Group(_Stash(mgr, hidden, mgr.offload))
+                mgr._order.append(mgr._open)
+                j = 0
+            group = mgr._open
+            call = _LayerCall(fn, hidden.device)
+            group.fns.append(call)
+            dummy = torch.empty(0, requires_grad=True)  # output needs grad even if hidden does not
+            out = _OffloadedCheckpoint.apply(call, group, len(group.fns) - 1, hidden, dummy)
+            return out
+
+        return checkpoint_fn
+
+    def prefetch_before(self, group: _Group):
+        """Start bringing back the kept input of the group before ``group`` in forward order."""
+        try:
+            i = next(i for i, g in enumerate(self._order) if g is group)
+        except StopIteration:
+            return
+        if i > 0:
+            self._order[i - 1].stash.prefetch()
+        self._order = self._order[:i]  # consumed; drop references
+
+
+def enable_checkpoint_offload(model, offload: bool = True, every_k: int = 1) -> CheckpointOffload:
+    """Turn on per-layer checkpointing of ``model`` with offloaded / every-k kept inputs."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    mgr = CheckpointOffload(offload=offload, every_k=every_k)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no GradientCheckpointingLayer (transformers >= 4.52 "
+                         "decoder layers); checkpoint offload hooks into them")
+    for i, layer in enumerate(layers):
+        layer._gradient_checkpointing_func = mgr.layer_function(i)
+        layer.gradient_checkpointing = True
+    model._easy_context_offload = mgr
+    return mgr
+
+
+__all__ = ["CheckpointOffload", "enable_checkpoint_offload"]

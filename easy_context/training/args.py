@@ -1,0 +1,95 @@
+"""train.py's flags: EasyContext's names and meanings, plus dp x sp, schedule, checkpoints, memory options."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from .errors import UsageError, fail
+
+MODES = ("data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
+CHECKPOINTING = ("layer", "selective", "offload", "nested", "none")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line instead of usage + error
+        fail(message, prog=self.prog)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="train.py", description="Long-context fine-tuning with sequence parallelism "
+                "(EasyContext flags). Launch with `accelerate launch --config_file accelerate_configs/... train.py`.")
+    a = p.add_argument
+    # EasyContext's flags (same names, same meaning)
+    a("--batch-size", type=int, default=1, help="rows per micro-batch per data-parallel rank (shared by an sp group)")
+    a("--gradient-accumulate-every", type=int, default=8, help="micro-batches per optimizer step")
+    a("--output-dir", required=True, help="final model, checkpoints/ and metrics.jsonl go here")
+    a("--wandb", default=None, help="wandb project name (WANDB_MODE=offline|disabled respected)")
+    a("--seed", type=int, default=42)
+    a("--max-train-steps", type=int, default=400, help="optimizer steps")
+    a("--learning-rate", type=float, default=2e-5, help="peak LR; this is the LR used (also under DeepSpeed)")
+    a("--rope-theta", type=float, default=100000, help="RoPE base used for training (written into the config)")
+    a("--model", default="meta-llama/Llama-2-7b-hf", help="hub name or local HF directory")
+    a("--dataset", default="emozilla/pg_books-tokenized-bos-eos-chunked-65536",
+      help="hub name, save_to_disk dir or json/jsonl/parquet file with an input_ids column")
+    a("--seq-length", type=int, default=16384)
+    a("--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn", choices=MODES)
+    a("--ring_degree", "--ring-degree", dest="ring_degree", type=int, default=None,
+      help="usp_attn: ring degree (ulysses degree = sp size / ring degree); default: sp size (pure ring)")
+    # additions
+    a("--sp-size", type=int, default=None, help="sequence-parallel group size (default: all processes; "
+      "1 for data_parallel). Data-parallel size = processes / sp size")
+    a("--warmup-steps", type=int, default=0, help="linear LR warmup steps")
+    a("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant",
+      help="after warmup: constant at --learning-rate, or cosine/linear decay to --min-lr-ratio x LR")
+    a("--min-lr-ratio", type=float, default=0.1)
+    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay (never on norms, biases, embeddings)")
+    a("--decay-all", action="store_true", help="also decay norms, biases and embeddings")
+    a("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
+    a("--checkpoint-every", type=int, default=0, help="save a resumable checkpoint every N steps (0 = off)")
+    a("--keep-checkpoints", type=int, default=2, help="how many periodic checkpoints to keep")
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    a("--save-rope-theta", type=float, default=None,
+      help="RoPE theta written into the saved config (default: --rope-theta), e.g. 1e9 for the final model")
+    a("--no-save-model", action="store_true", help="skip the final HF save (benchmarks)")
+    a("--dataset-split", default="train")
+    a("--log-file", default=None, help="per-step metrics as JSON lines (default: OUTPUT_DIR/metrics.jsonl)")
+    a("--timeout", type=float, default=1800, help="collective timeout in seconds")
+    # memory options (easy_context.memory)
+    a("--checkpointing", choices=CHECKPOINTING, default="layer",
+      help="activation checkpointing: per layer (HF), selective (keep attention output), offload (kept layer "
+      "inputs in host memory), nested (one kept input per --offload-every-k layers), none")
+    a("--offload-every-k", type=int, default=1, help="offload/nested: keep one layer input per k layers")
+    a("--chunked-loss", action="store_true", help="LM head + loss in chunks, never materializing full logits")
+    a("--tiled-mlp", action="store_true", help="run MLPs tile by tile along the sequence")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+    except UsageError as e:
+        fail(str(e))
+    return args
+
+
+def check_args(args) -> None:
+    """Cheap checks that need neither torch nor the model (run before any heavy import)."""
+    for name in ("batch_size", "gradient_accumulate_every", "max_train_steps", "seq_length"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.learning_rate <= 0 or args.rope_theta <= 0:
+        raise UsageError("--learning-rate and --rope-theta must be > 0")
+    if args.warmup_steps < 0 or args.checkpoint_every < 0:
+        raise UsageError("--warmup-steps and --checkpoint-every must be >= 0")
+    if args.ring_degree is not None and args.parallel_mode != "usp_attn":
+        raise UsageError(f"--ring_degree applies to usp_attn only (got --parallel_mode {args.parallel_mode})")
+    if args.parallel_mode == "data_parallel" and args.sp_size not in (None, 1):
+        raise UsageError("--sp-size must be 1 (or unset) with --parallel_mode data_parallel")
+    if args.save_rope_theta is None:
+        args.save_rope_theta = args.rope_theta
+    path = os.path.expanduser(args.model)
+    if path.startswith((".", "/")) and not os.path.isdir(path):
+        raise UsageError(f"--model {args.model!r} does not exist (expected a local HF model directory or a hub name)")
+    if args.log_file is None:
+        args.log_file = os.path.join(args.output_dir, "metrics.jsonl")

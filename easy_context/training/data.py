@@ -1,0 +1,125 @@
+"""Training data: load a packed dataset, validate it, pack token streams, a resumable dp-sharded loader.
+
+A training dataset is a table with an ``input_ids`` column whose rows hold at least ``seq_length + 1``
+tokens (packed text; ``prepare_data.py`` makes one). Batches are a pure function of (seed, epoch,
+index); the loader's ``state_dict`` (epoch, batch) is stored in checkpoints.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from .errors import UsageError
+
+PREP_HINT = "tokenize and pack it with: python prepare_data.py --dataset TEXT --tokenizer MODEL --seq-length {L} --output DIR"
+
+
+def load_any_dataset(name: str, split: str = "train"):
+    """Hub name, a ``save_to_disk`` directory, or json/jsonl/parquet/arrow/csv files."""
+    import datasets
+
+    ext = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv",
+           ".txt": "text"}
+    if os.path.isdir(name) and (os.path.exists(os.path.join(name, "dataset_info.json"))
+                                or os.path.exists(os.path.join(name, "dataset_dict.json"))):
+        ds = datasets.load_from_disk(name)
+    elif os.path.isfile(name) and os.path.splitext(name)[1] in ext:
+        ds = datasets.load_dataset(ext[os.path.splitext(name)[1]], data_files=name, split=split)
+    elif os.path.exists(name):
+        ds = datasets.load_dataset(name, split=split)  # a folder of data files
+    else:
+        try:
+            ds = datasets.load_dataset(name, split=split)
+        except Exception as e:  # noqa: BLE001 - reported as one line
+            raise UsageError(f"cannot load dataset {name!r}: not a local path and the Hub said "
+                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise UsageError(f"dataset {name!r} has no split {split!r} (splits: {', '.join(ds)})")
+        ds = ds[split]
+    return ds
+
+
+def validate_packed(ds, name: str, seq_length: int):
+    """Keep only ``input_ids``; every row must hold >= seq_length + 1 tokens (checked on Arrow offsets)."""
+    if "input_ids" not in ds.column_names:
+        raise UsageError(f"dataset {name!r} has no 'input_ids' column (columns: {', '.join(ds.column_names)}); "
+                         + PREP_HINT.format(L=seq_length))
+    ds = ds.select_columns(["input_ids"])
+    if len(ds) == 0:
+        raise UsageError(f"dataset {name!r} is empty")
+    shortest = _min_row_length(ds)
+    if shortest < seq_length + 1:
+        raise UsageError(f"dataset {name!r} has rows of {shortest} tokens but --seq-length {seq_length} needs "
+                         f">= {seq_length + 1} per row; " + PREP_HINT.format(L=seq_length))
+    return ds.with_format("torch")
+
+
+def _min_row_length(ds) -> int:
+    import pyarrow.compute as pc
+
+    col = ds.data.column("input_ids")
+    lengths = pc.list_value_length(col)
+    if ds._indices is not None:  # a selected/shuffled view: fall back to the rows themselves
+        return min(len(r) for r in ds["input_ids"])
+    return int(pc.min(lengths).as_py())
+
+
+def pack_documents(token_docs, seq_length: int, output: str, bos_id, eos_id, progress: bool = True,
+                   keep_remainder: bool = False) -> str:
+    """BOS + doc + EOS, concatenated and cut into rows of seq_length + 1; saved atomically to ``output``."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    row = seq_length + 1
+
+    def rows():
+        buf: list[int] = []
+        for doc in tqdm(token_docs, desc="packing", unit="doc", disable=not progress):
+            buf.extend(([bos_id] if bos_id is not None else []) + list(doc) + ([eos_id] if eos_id is not None else []))
+            while len(buf) >= row:
+                yield {"input_ids": buf[:row]}
+                buf = buf[row:]
+        if keep_remainder and buf:
+            yield {"input_ids": buf}
+
+    feats = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+    ds = datasets.Dataset.from_list(list(rows()), features=feats) if not progress else \
+        datasets.Dataset.from_generator(rows, features=feats)
+    if len(ds) == 0:
+        raise UsageError(f"not enough tokens for one row of {row} tokens")
+    save_dataset_atomic(ds, output)
+    return output
+
+
+def save_dataset_atomic(ds, output: str) -> None:
+    """save_to_disk into a sibling temp dir, then rename: ``output`` is either complete or absent."""
+    tmp = output.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(tmp)
+    if os.path.exists(output):
+        shutil.rmtree(output)
+    os.replace(tmp, output)
+
+
+def make_loader(ds, seq_algo: str, layout, batch_size: int, seq_length: int, seed: int, accelerator):
+    """Rows sharded over data-parallel ranks only (``easy_context.data.prepare_dataloader``); the sp ranks
+    of one group get the same rows. Seeded per-epoch shuffle; ``state_dict()`` gives the data position."""
+    from torch.utils.data import DataLoader
+
+    from easy_context.data import prepare_dataloader
+
+    if len(ds) < batch_size * layout.dp:
+        raise UsageError(f"dataset has {len(ds)} rows, fewer than --batch-size x data-parallel size = "
+                         f"{batch_size * layout.dp}")
+    dl = DataLoader(ds, batch_size=batch_size, shuffle=True, drop_last=True,
+                    collate_fn=lambda rows: torch.stack([r["input_ids"][: seq_length + 1] for r in rows]).long())
+    return prepare_dataloader(seq_algo, dl, accelerator, layout=layout, seed=seed)
+
+
+def forever(loader):
+    """Batches across epochs (each epoch reshuffled); EasyContext stopped when the data ran out."""
+    while True:
+        yield from loader

@@ -1,0 +1,51 @@
+"""dp x sp layout (``easy_context.parallel_layout``) and the summed token NLL train.py scales.
+
+train.py's loss: each rank backpropagates ``sum(local NLL) * world * GA / N_window`` where N_window is
+the number of valid targets of the whole optimizer step (all ranks, all micro-batches); DeepSpeed/DDP
+average gradients over the world and scale by 1/GA, so the update is the one of the global token mean
+(``easy_context.loss`` explains the same identity for one micro-batch).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .errors import UsageError
+
+
+def build_layout(seq_algo: str, sp_size: int | None, ring_degree: int | None, seq_length: int):
+    """Process groups for ``seq_algo`` (collective on every rank); bad degrees / lengths -> UsageError."""
+    from easy_context.parallel_layout import ParallelLayout
+
+    try:
+        layout = ParallelLayout.build(seq_algo, sp_size=sp_size, ring_degree=ring_degree)
+        layout.check_seq_len(seq_length)
+    except ValueError as e:
+        raise UsageError(str(e).replace("sequence length", "--seq-length")) from None
+    return layout
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over every rank (dp and sp): window token counts and NLL sums."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool) -> torch.Tensor:
+    """Forward + summed next-token NLL (fp32) of this rank's tokens; -100 targets are skipped.
+
+    ``chunked``: LM head + loss chunk by chunk (easy_context.memory), never the (tokens x vocab) logits.
+    It calls the base model and head of ``unwrapped`` directly: fine under DeepSpeed ZeRO-3 (module hooks
+    gather the weights) and in one process; not under DDP, whose forward it would bypass.
+    """
+    if chunked:
+        from easy_context.memory import lm_head_loss
+
+        out = unwrapped.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return lm_head_loss(unwrapped.get_output_embeddings(), out.last_hidden_state, targets)[0]
+    from easy_context.loss import token_nll_sum
+
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    return token_nll_sum(logits, targets)[0]

@@ -1,0 +1,94 @@
+"""A tiny, fully local training setup: Llama from a config, byte-level BPE tokenizer, packed corpus.
+
+Used by the CPU demo (``python -m easy_context.training.toy OUT``) and the tests. No downloads: the
+tokenizer is trained with the ``tokenizers`` library on a generated corpus of templated sentences
+(learnable, so the loss drops within a few steps).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+_SUBJ = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "the teacher", "our team"]
+_VERB = ["sees", "likes", "builds", "paints", "finds", "carries", "reads", "watches"]
+_OBJ = ["the red ball", "a long river", "the tall tree", "a quiet house", "the blue sky", "a new book",
+        "the green field", "a warm cup of tea"]
+_END = ["today.", "every morning.", "in the park.", "at night.", "with great care.", "again and again."]
+
+
+def make_corpus(n_docs: int = 200, seed: int = 0) -> list[str]:
+    """Documents of templated sentences; each also states a number the model can copy later."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        sents = [f"{rng.choice(_SUBJ).capitalize()} {rng.choice(_VERB)} {rng.choice(_OBJ)} {rng.choice(_END)}"
+                 for _ in range(rng.randint(4, 12))]
+        docs.append(" ".join(sents) + f" The magic number is {rng.randint(0, 9999)}.")
+    return docs
+
+
+def build_tokenizer(texts: list[str], out_dir: str, vocab_size: int = 384):
+    """Byte-level BPE (GPT-2 style) trained on ``texts``; saved as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="</s>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_model(out_dir: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, rope_theta: float = 10000.0, max_pos: int = 4096, seed: int = 0):
+    """A tiny LlamaForCausalLM (float32, random init) saved in HF format."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab_size,
+                      max_position_embeddings=max_pos, rope_theta=rope_theta, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0) -> dict:
+    """Write ``out``/{model, tokenizer inside model, corpus.jsonl, data_<L>} and return their paths."""
+    import json
+
+    from .data import pack_documents
+
+    os.makedirs(out, exist_ok=True)
+    docs = make_corpus(n_docs, seed)
+    model_dir = os.path.join(out, "tiny-llama")
+    tok = build_tokenizer(docs, model_dir)
+    build_model(model_dir, vocab_size=len(tok), seed=seed)
+    corpus = os.path.join(out, "corpus.jsonl")
+    with open(corpus, "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    paths = {"model": model_dir, "corpus": corpus}
+    ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    for L in seq_lengths:
+        paths[f"data_{L}"] = pack_documents(ids, L, os.path.join(out, f"data_{L}"), tok.bos_token_id,
+                                            tok.eos_token_id, progress=False)
+    return paths
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="Build a tiny local Llama + byte-level tokenizer + packed corpus.")
+    p.add_argument("out")
+    p.add_argument("--seq-lengths", type=int, nargs="+", default=[128])
+    p.add_argument("--docs", type=int, default=200)
+    a = p.parse_args()
+    for k, v in build_all(a.out, a.seq_lengths, a.docs).items():
+        print(f"{k}: {v}")

@@ -1,0 +1,24 @@
+"""zigzag_ring_attn: balanced causal ring attention (schedule and algorithm in attention.py)."""
+import math
+
+from .attention import (RingBlock, ZigzagRingAttnFunc, block_plan, check_inputs, global_chunks,
+                        zigzag_ring_backward, zigzag_ring_forward)
+from .layout import seq_multiple, shard, unshard
+
+
+def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None):
+    """Causal attention of this rank's zigzag shard against the whole sequence held by ``group``.
+
+    q ``(batch, seq_local, heads, head_dim)``, k/v the same with possibly fewer heads (GQA, never expanded
+    over the wire); seq_local holds zigzag chunks r and 2W-1-r (``shard_sequence("zigzag_ring_attn", ...)``).
+    Differentiable. ``group=None``: the world group (W=1 or no process group: plain causal attention).
+    Only ``causal=True`` and ``dropout_p=0`` are supported; the kernel follows ``EASY_CONTEXT_ATTN_BACKEND``.
+    """
+    check_inputs(q, k, v, dropout_p, causal)  # before any collective
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    return ZigzagRingAttnFunc.apply(q, k, v, softmax_scale, group, None)
+
+
+__all__ = ["zigzag_ring_attn_func", "zigzag_ring_forward", "zigzag_ring_backward", "ZigzagRingAttnFunc",
+           "block_plan", "RingBlock", "global_chunks", "check_inputs", "shard", "unshard", "seq_multiple"]

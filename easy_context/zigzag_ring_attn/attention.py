@@ -1,0 +1,193 @@
+"""Zigzag ring attention: causal attention over a sequence split in zigzag order across a ring of W ranks.
+
+Idea from ring-flash-attention's zigzag_ring_flash_attn (zhuzilin) and the load-balancing argument of
+Striped/zigzag attention; written here on the kernel facade, no code copied.
+
+Layout legend (flash-attn's): q/out/dq ``(B, 2c, Hq, D)``, k/v/dk/dv ``(B, 2c, Hkv, D)``, lse fp32
+``(B, Hq, 2c)``. The global sequence is cut into 2W chunks of length c; rank r holds chunks r and
+2W-1-r (local chunk 0 and local chunk 1). k/v travel the ring r -> r+1, so at step s rank r holds the
+k/v of ``src = (r - s) % W``. Which part of that block the causal mask needs (see ``block_plan``)::
+
+    step 0 (own k/v)     causal on the local pair: [r, 2W-1-r] x [r, 2W-1-r]
+    src < r              both q chunks vs kv chunk ``src`` (earlier than both); kv chunk 2W-1-src is
+                         later than both q chunks -> skipped.                        non-causal, 2c x c
+    src > r              only q chunk 2W-1-r, against both kv chunks (src and 2W-1-src are both
+                         earlier); q chunk r is earlier than both -> skipped.         non-causal, c x 2c
+
+Every step is 2c^2 score elements on every rank: the causal work is balanced with no padding.
+
+Forward: the next k/v is posted (``RingComm``) before the current block is computed, so the transfer
+overlaps with compute; partial (out, lse) fold into float32 accumulators with ``kernels.merge_attn_out``.
+Backward: the final out/lse of each row make every block's (dq, dk, dv) an exact contribution
+(``kernels.attn_backward``). dq stays local; k/v ring again; the float32 dk/dv of the block a rank is
+visiting travel on a second ring one step behind, so after W steps each rank holds its own k/v's grads.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .. import kernels
+from ..comm import RingComm, group_rank_world
+
+
+class RingBlock(NamedTuple):
+    """One ring step of one rank: local q chunks (0 and/or 1) against the visiting rank's kv chunks."""
+    step: int
+    src: int                      # group rank whose k/v is used at this step
+    q_chunks: tuple[int, ...]     # local chunk indices of q: (0, 1) or (1,)
+    kv_chunks: tuple[int, ...]    # local chunk indices of src's k/v: (0, 1) or (0,)
+    causal: bool
+
+    def q_slice(self, c: int) -> slice:
+        return slice(self.q_chunks[0] * c, (self.q_chunks[-1] + 1) * c)
+
+    def kv_slice(self, c: int) -> slice:
+        return slice(self.kv_chunks[0] * c, (self.kv_chunks[-1] + 1) * c)
+
+
+def global_chunks(rank: int, world_size: int) -> tuple[int, int]:
+    """Global chunk ids (of 2W) held by ``rank``: local chunk 0 is ``rank``, local chunk 1 is 2W-1-rank."""
+    return rank, 2 * world_size - 1 - rank
+
+
+def block_plan(rank: int, world_size: int) -> list[RingBlock]:
+    """The W blocks ``rank`` computes, in ring order (pure: used by the kernel, benchmarks and tests)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"block_plan needs 0 <= rank < world_size; got rank={rank}, world_size={world_size}")
+    plan = [RingBlock(0, rank, (0, 1), (0, 1), True)]
+    for s in range(1, world_size):
+        src = (rank - s) % world_size
+        if src < rank:
+            plan.append(RingBlock(s, src, (0, 1), (0,), False))
+        else:
+            plan.append(RingBlock(s, src, (1,), (0, 1), False))
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# validation (before any collective, so a bad call fails on every rank alike instead of hanging)
+# ----------------------------------------------------------------------------------------------
+def check_inputs(q, k, v, dropout_p: float, causal: bool) -> None:
+    if not causal:
+        raise ValueError("zigzag_ring_attn_func supports only causal=True: the zigzag layout exists to balance "
+                         "the causal mask; for non-causal attention use ulysses_attn_func (contiguous layout)")
+    if dropout_p and dropout_p > 0:
+        raise ValueError(f"zigzag_ring_attn_func does not support attention dropout (got dropout_p={dropout_p}); "
+                         "pass dropout_p=0.0 (set config.attention_dropout=0.0)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"zigzag_ring_attn_func expects q, k, v shaped (batch, seq_local, heads, head_dim); "
+                             f"got {name} with shape {tuple(getattr(t, 'shape', ()))}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k/v must agree on batch, local length and head_dim; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) (GQA)")
+    if q.shape[1] % 2 != 0 or q.shape[1] == 0:
+        raise ValueError(f"zigzag_ring_attn_func: the local length ({q.shape[1]}) must be even and > 0 (each "
+                         "rank holds two equal zigzag chunks); make the global length a multiple of "
+                         "2 x world_size and shard it with shard_sequence('zigzag_ring_attn', ...)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# forward / backward
+# ----------------------------------------------------------------------------------------------
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulators are float32 (float64 inputs, the test reference, keep float64)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _ring_position(group) -> tuple[int, int]:
+    rank, world = group_rank_world(group)
+    if rank < 0:
+        raise ValueError("zigzag_ring_attn: this process is not a member of the given process group; "
+                         "call it only on the ranks of `group` (or pass group=None for the world)")
+    return rank, world
+
+
+def zigzag_ring_forward(q, k, v, softmax_scale: float, group=None, backend: str | None = None):
+    """Returns ``out`` (q's dtype) and ``lse`` (fp32, (B, Hq, 2c)) of this rank's rows."""
+    rank, world = _ring_position(group)
+    if world == 1:
+        return kernels.attn_forward(q, k, v, True, softmax_scale, backend)
+    c = q.shape[1] // 2
+    comm = RingComm(group)
+    out = lse = None
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    for blk in block_plan(rank, world):
+        last = blk.step == world - 1
+        if not last:  # post the next k/v before computing on the current one (overlap)
+            k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
+            comm.commit()
+        qs, ks = blk.q_slice(c), blk.kv_slice(c)
+        b_out, b_lse = kernels.attn_forward(q[:, qs], k_cur[:, ks], v_cur[:, ks], blk.causal, softmax_scale,
+                                            backend)
+        if out is None:  # step 0 covers every row (the diagonal): it initialises the fp32 accumulators
+            out, lse = b_out.to(_acc_dtype(q)), b_lse.to(_acc_dtype(q)).contiguous()
+        else:  # in place into the rows this block touched
+            kernels.merge_attn_out(out[:, qs], lse[:, :, qs], b_out, b_lse)
+        if not last:
+            comm.wait()
+            k_cur, v_cur = k_next, v_next
+    return out.to(q.dtype), lse
+
+
+def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=None, backend: str | None = None):
+    """(dq, dk, dv) of this rank's q and own k/v, from the saved inputs and the final out/lse."""
+    rank, world = _ring_position(group)
+    if world == 1:
+        return kernels.attn_backward(dout, q, k, v, out, lse, True, softmax_scale, backend)
+    c = q.shape[1] // 2
+    kv_comm, d_comm = RingComm(group), RingComm(group)
+    acc = _acc_dtype(q)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    dk_next = dv_next = None
+    for blk in block_plan(rank, world):
+        last = blk.step == world - 1
+        if not last:
+            k_next, v_next = kv_comm.send_recv(k_cur), kv_comm.send_recv(v_cur)
+            kv_comm.commit()
+        qs, ks = blk.q_slice(c), blk.kv_slice(c)
+        b_dq, b_dk, b_dv = kernels.attn_backward(dout[:, qs], q[:, qs], k_cur[:, ks], v_cur[:, ks], out[:, qs],
+                                                 lse[:, :, qs], blk.causal, softmax_scale, backend)
+        dq[:, qs] += b_dq
+        if blk.step == 0:
+            dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+        else:  # the grads of block ``src`` from the ranks it visited before (sent one step ago)
+            d_comm.wait()
+            dk_acc, dv_acc = dk_next, dv_next
+        dk_acc[:, ks] += b_dk
+        dv_acc[:, ks] += b_dv
+        # pass them on; after the last step this delivers each block's grads back to its owner
+        dk_next, dv_next = d_comm.send_recv(dk_acc), d_comm.send_recv(dv_acc)
+        d_comm.commit()
+        if not last:
+            kv_comm.wait()
+            k_cur, v_cur = k_next, v_next
+    d_comm.wait()
+    return dq.to(q.dtype), dk_next.to(k.dtype), dv_next.to(v.dtype)
+
+
+class ZigzagRingAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, group, backend):
+        out, lse = zigzag_ring_forward(q, k, v, softmax_scale, group, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.group, ctx.backend = softmax_scale, group, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = zigzag_ring_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.group, ctx.backend)
+        return dq, dk, dv, None, None, None
+

@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Long-context fine-tuning of a Hugging Face causal LM with sequence parallelism (EasyContext's train.py).
+
+    accelerate launch --config_file accelerate_configs/single_node.yaml train.py \
+        --model meta-llama/Llama-2-7b-hf --dataset DATA --seq-length 262144 --rope-theta 1e7 \
+        --parallel_mode zigzag_ring_attn --output-dir output/stage3
+
+Processes form data-parallel (dp) x sequence-parallel (sp) groups: the ranks of one sp group hold
+shards of the same packed rows (`--batch-size` rows per micro-batch), different sp groups read
+different rows. One optimizer step = `--gradient-accumulate-every` micro-batches. The loss is the
+token mean over the whole window (all ranks, all micro-batches): each rank backpropagates
+sum(local NLL) * world * GA / N_window, which undoes the 1/world gradient average and the 1/GA loss
+scaling of DeepSpeed/Accelerate, so the gradient is that of the global token-mean loss.
+Logic lives in easy_context/training; this file is the readable outline.
+"""
+import datetime
+import os
+import time
+
+from easy_context.training.args import parse_args
+from easy_context.training.errors import UsageError, fail
+
+
+def main(argv=None):
+    args = parse_args(argv)  # one-line errors for bad flags, before heavy imports
+    try:
+        train(args)
+    except UsageError as e:
+        fail(str(e))
+
+
+def train(args):
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
+    from tqdm.auto import tqdm
+
+    from easy_context import apply_seq_parallel_monkey_patch
+    from easy_context.training import checkpoint as ckpt
+    from easy_context.training.data import forever, load_any_dataset, make_loader, validate_packed
+    from easy_context.training.metrics import JsonlLog, StepMetrics, postfix
+    from easy_context.training.modeling import (apply_memory_options, count_params, load_config, load_model,
+                                                load_tokenizer, save_final_model)
+    from easy_context.training.optim import build_optimizer, configure_deepspeed, current_lr
+    from easy_context.training.parallel import all_sum, build_layout, nll_sum
+
+    # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
+    config = load_config(args.model, args.rope_theta)
+    data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length)
+
+    # DeepSpeed on CPU needs the gloo backend spelled out (else every rank silently gets a world of 1).
+    launched = "WORLD_SIZE" in os.environ or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    backend = None if not launched else "nccl" if torch.cuda.is_available() else "gloo"
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulate_every, step_scheduler_with_optimizer=False,
+        log_with="wandb" if args.wandb else None,
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))])
+    layout = build_layout(args.parallel_mode, args.sp_size, args.ring_degree, args.seq_length)  # dp x sp groups
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        ckpt.remove_stale_temps(args.output_dir)  # half-written checkpoints of a killed run
+    if args.wandb:
+        accelerator.init_trackers(args.wandb, config=vars(args), init_kwargs={
+            "wandb": {"name": os.path.basename(os.path.normpath(args.output_dir))}})
+    set_seed(args.seed)
+
+    # 2. Model: attention through the sp group, memory options, optimizer whose LR is --learning-rate.
+    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+    model = load_model(args.model, config, dtype)
+    tokenizer = load_tokenizer(args.model)
+    n_params = count_params(model)
+    if args.parallel_mode != "data_parallel":
+        layout.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None))
+        apply_seq_parallel_monkey_patch(args.parallel_mode, model, layout=layout)
+    apply_memory_options(model, args)
+    use_ds = configure_deepspeed(accelerator, args)
+    optimizer, scheduler = build_optimizer(model, args, use_ds)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    if not use_ds:
+        accelerator.register_for_checkpointing(scheduler)
+
+    loader = make_loader(data, args.parallel_mode, layout, args.batch_size, args.seq_length, args.seed, accelerator)
+
+    # 3. Resume: model, optimizer, scheduler, RNG and data position from the latest checkpoint.
+    start = 0
+    if args.resume:
+        path = ckpt.latest_checkpoint(args.output_dir)
+        if path is None:
+            accelerator.print(f"--resume: no checkpoint in {args.output_dir}, starting from step 0")
+        else:
+            state = ckpt.load_checkpoint(accelerator, path)
+            start = state["step"]
+            loader.load_state_dict(state["data"])
+            accelerator.print(f"resumed from {path} (step {start})")
+
+    GA = args.gradient_accumulate_every
+    batches = forever(loader)
+    tokens_per_step = args.batch_size * GA * args.seq_length * layout.dp
+    measure = StepMetrics(n_params, config, args.seq_length, accelerator.num_processes, tokens_per_step)
+    log = JsonlLog(args.log_file, accelerator.is_main_process, start)
+    positions = torch.arange(args.seq_length).unsqueeze(0).expand(args.batch_size, -1)
+    accelerator.print(f"{args.parallel_mode} {layout}: {n_params / 1e6:.1f}M params, {tokens_per_step} tokens/step, "
+                      f"{'DeepSpeed' if use_ds else 'Accelerate'}; lr {args.learning_rate:g}")
+    bar = tqdm(total=args.max_train_steps, initial=start, disable=not accelerator.is_local_main_process,
+               desc="train", dynamic_ncols=True)
+    model.train()
+
+    # 4. Train.
+    for step in range(start, args.max_train_steps):
+        t0 = time.perf_counter()
+        lr = current_lr(model, optimizer)  # the LR this step's update uses
+        window = []  # this step's micro-batches, sharded for this sp rank (targets = next tokens)
+        for _ in range(GA):
+            ids = next(batches).cpu()
+            window.append(layout.prepare_inputs(ids[:, :-1], positions[: len(ids)], ids[:, 1:], accelerator.device))
+        n_tokens = all_sum(sum((w["local_target_ids"] != -100).sum() for w in window).float()
+                           .to(accelerator.device)).clamp(min=1)
+        scale = accelerator.num_processes * GA / n_tokens
+        nll_window = torch.zeros((), device=accelerator.device)
+        for w in window:
+            with accelerator.accumulate(model):
+                nll = nll_sum(model, unwrapped, w["local_input_ids"], w["local_position_ids"],
+                              w["local_target_ids"], args.chunked_loss)
+                accelerator.backward(nll * scale)  # DeepSpeed steps its optimizer + scheduler at the boundary
+                nll_window += nll.detach().float()
+                if accelerator.sync_gradients and not use_ds:
+                    if args.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+        loss = (all_sum(nll_window) / n_tokens).item()  # token mean over the window, all ranks
+        row = {"step": step + 1, "loss": loss, "lr": lr, **measure(time.perf_counter() - t0)}
+        log.write(row)
+        if args.wandb:
+            accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step + 1)
+        bar.set_postfix(postfix(row), refresh=False)
+        bar.update(1)
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.max_train_steps:
+            ckpt.save_checkpoint(accelerator, args.output_dir, step + 1, args.keep_checkpoints,
+                                 {"data": loader.state_dict()})
+    bar.close()
+
+    # 5. Final model: HF safetensors + tokenizer, RoPE theta (--save-rope-theta) in config.json.
+    accelerator.wait_for_everyone()
+    if not args.no_save_model:
+        save_final_model(accelerator, model, tokenizer, args.output_dir, args.save_rope_theta)
+        accelerator.print(f"saved model to {args.output_dir} (rope_theta {args.save_rope_theta:g}); "
+                          f"metrics in {args.log_file}")
+    accelerator.end_training()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
