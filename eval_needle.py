@@ -177,7 +177,7 @@ def main(argv=None):
         os.makedirs(args.output_dir, exist_ok=True)
         tag = model_tag(args.model)
         csv_path = os.path.join(args.output_dir, f"needle_{tag}.csv")
-        with open(csv_path, "w", newline="") as f:
+        with open(csv_path, "w", newline="", encoding="utf-8") as f:
             w = csv.DictWriter(f, fieldnames=["length", "depth", "sample", "expected", "generated", "correct"])
             w.writeheader()
             w.writerows(rows)

@@ -38,12 +38,16 @@ def plan_degrees(seq_algo: str, world_size: int, sp_size: int | None = None, rin
                              f"ring_degree={ring_degree}); drop them or pick a sequence-parallel mode")
         sp = 1
     else:
-        sp = world_size if sp_size is None and dp_size is None else sp_size
-        if sp is None:  # only dp given
-            sp = world_size // dp_size if dp_size and world_size % dp_size == 0 else 0
+        sp = sp_size
+        if sp is None:  # default: one sp group over the world, or what is left after dp_size
+            if dp_size is not None and (dp_size < 1 or world_size % dp_size != 0):
+                raise ValueError(f"dp_size ({dp_size}) must divide world_size {world_size} (dp x sp = world_size); "
+                                 f"valid dp sizes: {_divisors(world_size)}")
+            sp = world_size if dp_size is None else world_size // dp_size
         if sp < 1 or world_size % sp != 0:
             raise ValueError(
-                f"sp_size ({sp_size}) must divide world_size {world_size} (dp x sp = world_size); "
+                f"dp x sp = world_size has no whole dp for sp({sp}): world_size {world_size} / {sp} = "
+                f"{world_size / sp if sp else float('inf'):.3g}; sp_size must divide {world_size}, "
                 f"valid sp sizes: {_divisors(world_size)}")
     dp = world_size // sp if dp_size is None else dp_size
     if dp * sp != world_size:

@@ -144,3 +144,37 @@ def test_patched_instance_without_process_group_and_padding_error():
         patched(ids, attention_mask=mask, position_ids=pos, use_cache=False)
     apply_seq_parallel_monkey_patch("data_parallel", patched)
     assert patched.config._attn_implementation == "sdpa"
+
+
+def test_patched_family_without_process_group_then_restored():
+    """Family string: a model built after the patch routes through the mode; padding refused; restore."""
+    from tests.model_equiv import build_model, make_batch
+    from tests.tols import assert_close
+    ref = build_model("qwen2")
+    ids, pos, _ = make_batch(1, 12, ref.config.vocab_size)
+    with torch.no_grad():
+        e = ref(ids, position_ids=pos, use_cache=False).logits
+    try:
+        apply_seq_parallel_monkey_patch("zigzag_ring_attn", "qwen2")
+        patched = build_model("qwen2")
+        with torch.no_grad():
+            assert_close(patched(ids, position_ids=pos, use_cache=False).logits, e, 1e-5, "family W=1 logits")
+        mask = torch.ones_like(ids)
+        mask[0, -1] = 0
+        with pytest.raises(ValueError, match="does not support padding"):
+            patched(ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    finally:
+        apply_seq_parallel_monkey_patch("data_parallel", "qwen2")
+    with torch.no_grad():  # plain attention again: a padding mask is accepted
+        build_model("qwen2")(ids, attention_mask=torch.ones_like(ids), position_ids=pos, use_cache=False)
+
+
+def test_transformers_guard_names_installed_version(monkeypatch):
+    import transformers
+
+    from easy_context import hf
+    for family in hf.FAMILIES:
+        hf.check_transformers_compat(family)
+    monkeypatch.setattr(hf, "_EXPECTED", ("module", "q", "k", "v", "mask"))
+    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__}"):
+        apply_seq_parallel_monkey_patch("zigzag_ring_attn", "llama")

@@ -147,10 +147,13 @@ def test_needle_prompt_depth_digits_and_haystack(tiny, tmp_path):
         assert p.input_ids[-len(hay.question_ids):] == tok(QUESTION_STR, add_special_tokens=False)["input_ids"]
         assert len(p.input_ids) == len(hay.prefix_ids) + L + len(needle) + len(hay.question_ids)
         at = p.needle_start - p.haystack_start  # haystack tokens before the needle
-        # at the requested depth, snapped forward to the end of a sentence (~15 tokens here)
-        assert depth * L <= at <= depth * L + 40, (depth, at)
-        if 0 < at < L:
-            assert tok.decode([p.input_ids[p.needle_start - 1]]).rstrip().endswith("."), depth
+        # at the requested depth, snapped forward to the FIRST sentence end (a period token) after it
+        ends = [tok.decode([t]).rstrip().endswith(".") for t in hay.ids[:L]]
+        if depth == 0:
+            assert at == 0
+        else:
+            assert depth * L <= at <= depth * L + 80 and (ends[at - 1] or at == L), (depth, at)
+            assert not any(ends[int(depth * L):at - 1]), (depth, at)
         assert tok.decode(p.answer_ids).strip() == "7654321"
     # distractors: fresh cities/numbers go in, the needle text stays once
     p = hay.build(L, 0.5, "1111111", [("Paris", "2222222"), ("Tokyo", "3333333")], rng=random.Random(3))
@@ -332,7 +335,7 @@ def test_scripts_end_to_end(tiny, tmp_path):
                                  "--context_interval", "100", "--depth_interval", "0.5", "--num_samples", "1",
                                  "--rnd_number_digits", "5", "--max_new_tokens", "6", "--output-dir", str(out),
                                  "--parallel_mode", mode])
-    rows = list(csv.DictReader(open(out / "needle_model.csv")))
+    rows = list(csv.DictReader(open(out / "needle_model.csv", encoding="utf-8", newline="")))
     assert len(rows) == 2 * 3 and list(rows[0]) == ["length", "depth", "sample", "expected", "generated", "correct"]
     assert all(len(r["expected"]) == 5 for r in rows)
     assert os.path.getsize(out / "heatmap_model.png") > 1000

@@ -216,3 +216,123 @@ def _model_body(rank, world_size):
 @pytest.mark.parametrize("world", [2, 4])
 def test_models_match_single_process(world):
     run_ranks(_model_body, world_size=world, timeout=180)
+
+
+# ----------------------------------------------------------------------------------------------
+# one device, W simulated ranks: W threads running the real forward/backward over an in-process ring.
+# One GPU cannot host W NCCL ranks ("Duplicate GPU detected"), so this is how the bf16 kernel-level
+# check runs on the H200; on CPU (float64) it checks the simulation itself and a W=8 ring cheaply.
+# Forward/backward are called directly: autograd would run every thread's backward on the one device
+# thread and deadlock the ring.
+# ----------------------------------------------------------------------------------------------
+class _ThreadRing:
+    """Stands in for comm.RingComm: one FIFO per (src, dst) pair, matched in posting order like P2P."""
+
+    def __init__(self, hub, rank, world):
+        self.hub, self.rank, self.world_size = hub, rank, world
+        self._sends, self._recvs = [], []
+
+    def send_recv(self, to_send, recv_buf=None, reverse=False):
+        assert not reverse
+        buf = torch.empty_like(to_send) if recv_buf is None else recv_buf
+        self._sends.append(to_send.contiguous().clone())
+        self._recvs.append(buf)
+        return buf
+
+    def commit(self):
+        for t in self._sends:
+            self.hub[(self.rank, (self.rank + 1) % self.world_size)].put(t)
+        self._sends = []
+
+    def wait(self):
+        src = (self.rank - 1) % self.world_size
+        for buf in self._recvs:
+            buf.copy_(self.hub[(src, self.rank)].get(timeout=60))
+        self._recvs = []
+
+
+def simulated_ring(world, fn_per_rank):
+    """Run ``fn_per_rank(rank)`` on ``world`` threads sharing a ring; returns the results in rank order."""
+    import queue
+    import threading
+
+    import easy_context.zigzag_ring_attn.attention as A
+    hub = {(r, (r + 1) % world): queue.Queue() for r in range(world)}
+    tls = threading.local()
+    saved = A.RingComm, A.group_rank_world
+    A.RingComm = lambda group=None: _ThreadRing(hub, tls.rank, world)
+    A.group_rank_world = lambda group=None: (tls.rank, world)
+    results, errors = [None] * world, []
+
+    def run(r):
+        tls.rank = r
+        try:
+            results[r] = fn_per_rank(r)
+        except BaseException as e:  # surfaced below with the rank
+            errors.append((r, e))
+
+    try:
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        A.RingComm, A.group_rank_world = saved
+    if errors:
+        raise AssertionError(f"simulated rank {errors[0][0]} failed") from errors[0][1]
+    return results
+
+
+def simulated_kernel_check(world, b, c, hq, hkv, d, dtype, device, backend=None, seed=0):
+    """Zigzag out/dq/dk/dv of W simulated ranks vs full causal attention; returns relative errors.
+
+    The oracle is ``attention_reference`` in float64 (float32 on GPU for speed); the errors of one full
+    causal kernel of the same dtype (``attn_forward`` on the whole sequence) come back too, so low-precision
+    runs can be judged against what a single kernel achieves.
+    """
+    from easy_context.zigzag_ring_attn import zigzag_ring_backward
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = 2 * world * c
+    ref_dtype = torch.float64 if device == "cpu" else torch.float32
+    full = [torch.randn(b, n, h, d, generator=g).to(device) for h in (hq, hkv, hkv, hq)]
+    q, k, v, dout = (t.to(dtype) for t in full)
+    qr, kr, vr = (t.to(ref_dtype).requires_grad_() for t in (q, k, v))
+    r_out, _ = kernels.attention_reference(qr, kr, vr, causal=True)
+    r_out.backward(dout.to(ref_dtype))
+    refs = {"out": r_out.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+    scale = 1.0 / d ** 0.5
+
+    def rank_fn(r):
+        ql, kl, vl, dl = (zigzag_shard(t, r, world) for t in (q, k, v, dout))
+        out, lse = zigzag_ring_forward(ql, kl, vl, scale, None, backend)
+        return (out,) + tuple(zigzag_ring_backward(dl, ql, kl, vl, out, lse, scale, None, backend))
+
+    res = simulated_ring(world, rank_fn)
+    got = {name: zigzag_unshard([r[i] for r in res]) for i, name in enumerate(("out", "dq", "dk", "dv"))}
+    one_out, one_lse = kernels.attn_forward(q, k, v, True, scale, backend)
+    one = dict(zip(("out", "dq", "dk", "dv"),
+                   (one_out,) + tuple(kernels.attn_backward(dout, q, k, v, one_out, one_lse, True, scale, backend))))
+
+    def rel(a, e):
+        return float((a.detach().double() - e.double()).norm() / e.double().norm())
+    return ({name: rel(got[name], refs[name]) for name in refs}, {name: rel(one[name], refs[name]) for name in refs},
+            got)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_simulated_ring_cpu_float64(world):
+    errs, _, got = simulated_kernel_check(world, 2, 4, 4, 2, 32, torch.float64, "cpu", seed=world)
+    assert all(v < 1e-10 for v in errs.values()), errs
+    assert got["out"].dtype == torch.float64 and got["dk"].shape[2] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_simulated_ring_gpu_bf16(world):
+    """bf16 on one GPU (auto backend: cuDNN on Hopper): the ring is as accurate as one full kernel."""
+    for d in (64, 128):
+        errs, single, _ = simulated_kernel_check(world, 1, 512, 8, 2, d, torch.bfloat16, "cuda", seed=world + d)
+        for name in errs:
+            assert errs[name] < 2e-2 and errs[name] <= 1.5 * single[name] + 2e-3, (
+                f"W={world} d={d} {name}: ring rel err {errs[name]:.2e}, one full kernel {single[name]:.2e}")

@@ -53,6 +53,10 @@ def _acc_dtype(q):  # float32 accumulators (float64 stays float64 for the math-b
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _buf(x):  # receive buffers are always contiguous (empty_like would copy e.g. a transposed layout)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def _scale(q, softmax_scale):
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
@@ -131,10 +135,10 @@ def dist_flash_attn_forward(q, k, v, softmax_scale=None, group=None, backend=Non
 
     def alloc(m):
         if m.kind == "kv":
-            return (torch.empty_like(k), torch.empty_like(v))
+            return (_buf(k), _buf(v))
         if m.kind == "q":
-            return (torch.empty_like(q),)
-        return (torch.empty_like(q), torch.empty_like(l0))
+            return (_buf(q),)
+        return (_buf(q), _buf(l0))
 
     def compute(blk, got):
         if blk.role(rank) == "own":  # my queries vs an earlier rank's kv: merge locally
@@ -182,10 +186,10 @@ def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=
 
     def alloc(m):
         if m.kind in ("kv", "dkv"):
-            return (torch.empty_like(k), torch.empty_like(v))
+            return (_buf(k), _buf(v))
         if m.kind == "q_do_o_lse":
-            return (torch.empty_like(q), torch.empty_like(dout), torch.empty_like(out), torch.empty_like(lse))
-        return (torch.empty_like(q),)  # dq
+            return (_buf(q), _buf(dout), _buf(out), _buf(lse))
+        return (_buf(q),)  # dq
 
     def compute(blk, got):
         if blk.role(rank) == "own":

@@ -31,22 +31,32 @@ class MemoryConfig:
 
 def _undo(model):
     from transformers.modeling_layers import GradientCheckpointingLayer
+    try:
+        from .selective import disable_selective_checkpointing, is_selective
+        if is_selective(model):
+            disable_selective_checkpointing(model)
+    except ImportError:
+        pass
     for m in model.modules():
         if isinstance(m, GradientCheckpointingLayer) and hasattr(m, "mlp"):
             untile_mlp(m.mlp)
-    if getattr(model, "is_gradient_checkpointing", False):
-        model.gradient_checkpointing_disable()
+    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        # transformers >= 5.24 renamed gradient_* to activation_checkpointing_*; 5.17 has only the old name
+        getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     model.__dict__.pop("_easy_context_offload", None)
 
 
 def configure_memory(model, checkpointing: str = "layer", offload_every_k: int = 1,
-                     tiled_mlp: bool | int | str = False) -> MemoryConfig:
+                     tiled_mlp: bool | int | str = False, selective: bool = False) -> MemoryConfig:
     """Set the memory options of a transformers causal LM (call again to change them; idempotent).
 
     checkpointing: ``"none"``; ``"layer"`` (HF per-layer, non-reentrant); ``"selective"`` (keep attention
       output + LSE, recompute the rest); ``"offload"`` (per-layer, kept inputs in pinned host memory, one
       kept per ``offload_every_k`` layers); ``"nested"`` (like offload but kept on the GPU, one per k layers).
     tiled_mlp: False, True/"auto" (tiles of ~hidden_size tokens, ALST's default) or a number of tiles.
+    selective: also keep attention outputs over the chosen checkpointing (no attention recompute: faster,
+      but +out/LSE per layer on the GPU); ``checkpointing="selective"`` is ``"layer"`` with this on.
     The chunked loss is not a model setting: compute the loss with ``causal_lm_loss``.
     """
     if checkpointing not in CHECKPOINTING:
@@ -55,17 +65,25 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
         raise ValueError(f"offload_every_k must be >= 1, got {offload_every_k}")
     _undo(model)
     mgr = None
+    if checkpointing == "none" and selective:
+        raise ValueError("selective=True needs checkpointing (layer, offload or nested)")
     if checkpointing == "layer":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif checkpointing == "selective":
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing == "selective" or (selective and checkpointing != "none"):
         try:
             from .selective import enable_selective_checkpointing
         except ImportError as e:
             raise ValueError("checkpointing='selective' needs easy_context/memory/selective.py "
                              f"(not available: {e})") from None
         enable_selective_checkpointing(model)
-    elif checkpointing in ("offload", "nested"):
+    if checkpointing in ("offload", "nested"):
         mgr = enable_checkpoint_offload(model, offload=checkpointing == "offload", every_k=offload_every_k)
+        if selective:
+            _selective(model)
     if tiled_mlp:
         apply_tiled_mlp(model, "auto" if tiled_mlp is True else tiled_mlp)
     return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, mgr)

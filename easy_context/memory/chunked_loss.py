@@ -29,19 +29,20 @@ def default_chunk_size(vocab_size: int) -> int:
 
 
 class ChunkedLMLoss(torch.autograd.Function):
-    """(hidden, weight, targets) -> (nll_sum fp32 scalar, valid count int64 scalar)."""
+    """(hidden, weight, targets) -> (nll_sum scalar, fp32 or wider; valid count int64 scalar)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size, ignore_index):
         n = hidden.shape[0]
         valid = targets != ignore_index
         safe_t = torch.where(valid, targets, torch.zeros_like(targets))  # ignore_index may be -100
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        nll = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 math (fp64 stays fp64)
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        nll = torch.zeros((), dtype=acc, device=hidden.device)
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             # matmul in the model dtype (as nn.Linear would), softmax math in fp32 (as HF's loss does)
-            logits = (hidden[s:e] @ weight.t()).float()
+            logits = (hidden[s:e] @ weight.t()).to(acc)
             lse_c = torch.logsumexp(logits, dim=-1)
             tgt = logits.gather(1, safe_t[s:e, None]).squeeze(1)
             lse[s:e] = lse_c
@@ -60,17 +61,17 @@ class ChunkedLMLoss(torch.autograd.Function):
         n, cs = hidden.shape[0], ctx.chunk_size
         dh = torch.empty_like(hidden) if need_h else None
         # fp32 accumulator for the weight gradient: per-chunk products are summed outside the matmul
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        scale = grad_nll.float()
+        dw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+        scale = grad_nll.to(lse.dtype)
         for s in range(0, n, cs):
             e = min(n, s + cs)
             h = hidden[s:e]
             # d nll / d logits = softmax - onehot(target), zero on ignored rows; recomputed per chunk
-            g = (h @ weight.t()).float()
+            g = (h @ weight.t()).to(lse.dtype)
             g.sub_(lse[s:e, None]).exp_()
             rows = torch.arange(e - s, device=g.device)
             g[rows, safe_t[s:e]] -= 1.0
-            g.mul_((valid[s:e].float() * scale)[:, None])
+            g.mul_((valid[s:e].to(g.dtype) * scale)[:, None])
             g = g.to(hidden.dtype)
             if need_h:
                 dh[s:e] = g @ weight

@@ -1,0 +1,186 @@
+"""Training step of a Llama-2-7B-shaped model on one GPU: ours vs plain Hugging Face, same run.
+
+    python bench/bench_train_step.py [--lengths 16384 32768 65536 131072] [--steps 2]
+
+baseline: transformers SDPA attention + per-layer gradient checkpointing + ``model(labels=...)``.
+ours:     EasyContext's path on one rank (zigzag_ring_attn at W=1 -> kernel facade, cuDNN on Hopper),
+          selective checkpointing (attention output + LSE kept: attention is never recomputed),
+          chunked LM head + loss (no tokens x vocab logits).
+Forward + backward (no optimizer step; see bench_memory.py for one), batch 1, bf16 weights, random init.
+MFU = (6·N + 6·n_layers·L·d) · tokens / (time · 989e12) (DESIGN.md §5). Prints a per-layer time split
+of ours at the longest length (attention / MLP / norms / projections+RoPE; comm is 0 on one GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.common import cuda_time_ms, env_line, require_cuda, table  # noqa: E402
+from bench.llama7b import build_model, llama7b_config, model_flops_per_token, one_rank_group  # noqa: E402
+
+PEAK = 989e12
+
+
+def configure(model, which, tiled):
+    from easy_context import apply_seq_parallel_monkey_patch
+    from easy_context.memory import configure_memory
+    if which == "baseline":
+        apply_seq_parallel_monkey_patch("data_parallel", model)
+        configure_memory(model, checkpointing="layer", tiled_mlp=False)
+    else:
+        apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+        configure_memory(model, checkpointing="selective", tiled_mlp=tiled)
+
+
+def step_fn(model, which, L, device):
+    from easy_context.memory import causal_lm_loss
+    ids = torch.randint(0, model.config.vocab_size, (1, L + 1), device=device)
+    inp, tgt = ids[:, :-1], ids[:, 1:]
+    pos = torch.arange(L, device=device).unsqueeze(0)
+
+    def run():
+        if which == "baseline":
+            loss = model(input_ids=inp, labels=ids[:, :-1].clone(), use_cache=False).loss
+        else:
+            loss = causal_lm_loss(model, inp, pos, tgt)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return loss
+    return run
+
+
+def measure(model, which, L, steps, device, tiled=False):
+    configure(model, which, tiled)
+    run = step_fn(model, which, L, device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        ms = cuda_time_ms(run, warmup=1, iters=steps)
+    except torch.OutOfMemoryError:
+        return dict(impl=which, L=L, tok_s="OOM")
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    tok_s = L / (ms / 1e3)
+    mfu = model_flops_per_token(model, L) * tok_s / PEAK
+    return dict(impl=which + ("+tiled_mlp" if tiled else ""), L=L, step_s=f"{ms / 1e3:.2f}",
+                tok_s=f"{tok_s:.0f}", MFU=f"{100 * mfu:.1f}%", peak_GiB=f"{peak:.1f}", _tok_s=tok_s)
+
+
+def layer_split(model, L, device):
+    """Per-layer fwd+bwd time of ours' pieces at length L, timed in isolation."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from easy_context import kernels
+    layer = model.model.layers[0]
+    c = model.config
+    h = torch.randn(1, L, c.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(h)
+    nh, hd = c.num_attention_heads, c.hidden_size // c.num_attention_heads
+    q, k, v = (torch.randn(1, L, nh, hd, device=device, dtype=torch.bfloat16) for _ in range(3))
+
+    def fb(f):
+        def run():
+            out = f()
+            torch.autograd.backward(out, g if out.shape == g.shape else torch.ones_like(out))
+        return run
+
+    def attn():
+        o, lse = kernels.attn_forward(q, k, v, True)
+        kernels.attn_backward(o, q, k, v, o, lse, True)
+
+    def proj():
+        a = layer.self_attn
+        x = a.q_proj(h) + a.k_proj(h) + a.v_proj(h)
+        return a.o_proj(x)
+
+    cos, sin = model.model.rotary_emb(h, torch.arange(L, device=device).unsqueeze(0))
+    qr = q.transpose(1, 2).detach().requires_grad_()
+    parts = {
+        "attention (cuDNN fwd+bwd)": attn,
+        "MLP": fb(lambda: layer.mlp(h)),
+        "norms (2x RMSNorm)": fb(lambda: layer.input_layernorm(h) + layer.post_attention_layernorm(h)),
+        "q/k/v/o projections": fb(proj),
+        "RoPE": fb(lambda: apply_rotary_pos_emb(qr, qr, cos, sin)[0].sum()),
+    }
+    times = {k: cuda_time_ms(f, 1, 3) for k, f in parts.items()}
+    total = sum(times.values())
+    rows = [dict(part=k, ms=f"{t:.1f}", share=f"{100 * t / total:.1f}%") for k, t in times.items()]
+    rows.append(dict(part="comm (one GPU)", ms="0.0", share="0.0%"))
+    return rows
+
+
+def cpu_smoke():
+    """CPU: both configurations compute the same loss and gradients on the tiny model."""
+    torch.manual_seed(0)
+    one_rank_group()
+    model = build_model(llama7b_config(tiny=True), torch.device("cpu"))
+    res = {}
+    for which in ("baseline", "ours"):
+        configure(model, which, tiled=which == "ours")
+        torch.manual_seed(1)
+        run = step_fn(model, which, 64, torch.device("cpu"))
+        from easy_context.memory import causal_lm_loss  # noqa: F401  (same inputs: seeded)
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (1, 65))
+        if which == "baseline":
+            loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1].clone(), use_cache=False).loss
+        else:
+            from easy_context.memory import causal_lm_loss
+            tgt = ids[:, 1:].clone()
+            tgt[:, -1] = -100  # HF's labels= path shifts inside and scores L-1 tokens
+            loss = causal_lm_loss(model, ids[:, :-1], torch.arange(64).unsqueeze(0), tgt)
+        loss.backward()
+        res[which] = (loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]))
+        del run
+    (lb, gb), (lo, go) = res["baseline"], res["ours"]
+    rel = ((gb - go).norm() / gb.norm()).item()
+    print(f"cpu smoke: loss baseline {lb:.6f} ours {lo:.6f}; grad rel diff {rel:.2e}")
+    assert abs(lb - lo) < 1e-5 * abs(lb) and rel < 1e-5
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per point (after one warm-up step)")
+    ap.add_argument("--tiled", action="store_true", help="also run ours with the tiled MLP")
+    ap.add_argument("--tiny", action="store_true", help="tiny config (code-path smoke test)")
+    args = ap.parse_args()
+    if args.tiny and not torch.cuda.is_available():
+        return cpu_smoke()
+    require_cuda()
+    device = torch.device("cuda")
+    one_rank_group()
+    model = build_model(llama7b_config(args.tiny), device)
+    print(env_line(), f"| params {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B", flush=True)
+    rows = []
+    for L in args.lengths:
+        pair = {}
+        for which in ("baseline", "ours"):
+            r = measure(model, which, L, args.steps, device)
+            pair[which] = r
+            rows.append(r)
+            print(r, flush=True)
+        if args.tiled:
+            rows.append(measure(model, "ours", L, args.steps, device, tiled=True))
+            print(rows[-1], flush=True)
+        if "_tok_s" in pair["baseline"] and "_tok_s" in pair["ours"]:
+            pair["ours"]["vs_baseline"] = f"{pair['ours']['_tok_s'] / pair['baseline']['_tok_s']:.2f}x"
+    print("\n## Llama-2-7B shape, one GPU, fwd+bwd, batch 1\n")
+    print(table(rows, ["impl", "L", "step_s", "tok_s", "MFU", "peak_GiB", "vs_baseline"]))
+    split = layer_split(model, args.lengths[-1], device)
+    print(f"\n## Per-layer time split of ours at L={args.lengths[-1]} (isolated fwd+bwd)\n")
+    print(table(split, ["part", "ms", "share"]))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_train_step.json"), "w") as f:
+            json.dump(dict(env=env_line(), rows=[{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+                           split=split), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
