@@ -33,11 +33,11 @@ def _selective_available() -> bool:
         return False
 
 
-# (checkpointing, offload_every_k, tiled_mlp): alone and combined
+# (checkpointing, offload_every_k, tiled_mlp[, selective]): alone and combined
 CONFIGS = [("none", 1, False), ("layer", 1, False), ("offload", 1, False), ("offload", 3, False),
            ("nested", 2, False), ("none", 1, 3), ("layer", 1, 4), ("offload", 2, 5), ("nested", 3, True)]
 if _selective_available():
-    CONFIGS += [("selective", 1, False), ("selective", 1, 3)]
+    CONFIGS += [("selective", 1, False), ("selective", 1, 3), ("offload", 2, 3, True)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,8 +160,8 @@ def test_every_option_is_exact_single_process():
     model = copy.deepcopy(ref)
     ids, pos, tgt = make_batch(2, 24, ref.config.vocab_size, labels_mask="random")
     _, ref_loss, ref_grads = reference_step(ref, ids, pos, tgt)
-    for ck, k, tiles in CONFIGS:
-        configure_memory(model, ck, offload_every_k=k, tiled_mlp=tiles)
+    for ck, k, tiles, *sel in CONFIGS:
+        configure_memory(model, ck, offload_every_k=k, tiled_mlp=tiles, selective=bool(sel))
         loss, grads = _our_step(model, ids, pos, tgt)
         tag = f"[W=1 {ck} k={k} tiles={tiles}]"
         assert_close(loss, ref_loss, REL, f"{tag} loss")
@@ -226,8 +226,8 @@ def _sp_body(rank, world_size, modes, configs):
             model = copy.deepcopy(ref)
             apply_seq_parallel_monkey_patch(mode, model)
             p = prepare_seq_parallel_inputs(mode, ids, pos, tgt, rank, world_size, torch.device("cpu"))
-            for ck, k, tiles in configs:
-                configure_memory(model, ck, offload_every_k=k, tiled_mlp=tiles)
+            for ck, k, tiles, *sel in configs:
+                configure_memory(model, ck, offload_every_k=k, tiled_mlp=tiles, selective=bool(sel))
                 loss, grads = _our_step(model, p["local_input_ids"], p["local_position_ids"],
                                         p["local_target_ids"])
                 tag = f"[{mode} W={world_size} rank {rank} {ck} k={k} tiles={tiles} mask={mask}]"

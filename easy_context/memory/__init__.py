@@ -26,6 +26,7 @@ class MemoryConfig:
     checkpointing: str
     offload_every_k: int
     tiled_mlp: int | str | bool
+    selective: bool = False
     offload: CheckpointOffload | None = None
 
 
@@ -42,7 +43,6 @@ def _undo(model):
             untile_mlp(m.mlp)
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         # transformers >= 5.24 renamed gradient_* to activation_checkpointing_*; 5.17 has only the old name
-        getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
         (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     model.__dict__.pop("_easy_context_offload", None)
 
@@ -73,20 +73,19 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if checkpointing == "selective" or (selective and checkpointing != "none"):
+    if checkpointing in ("offload", "nested"):
+        mgr = enable_checkpoint_offload(model, offload=checkpointing == "offload", every_k=offload_every_k)
+    if checkpointing == "selective" or selective:
+        # wraps whichever checkpoint function the layers now have (HF's, or our offload/nested one)
         try:
             from .selective import enable_selective_checkpointing
         except ImportError as e:
-            raise ValueError("checkpointing='selective' needs easy_context/memory/selective.py "
+            raise ValueError("selective checkpointing needs easy_context/memory/selective.py "
                              f"(not available: {e})") from None
         enable_selective_checkpointing(model)
-    if checkpointing in ("offload", "nested"):
-        mgr = enable_checkpoint_offload(model, offload=checkpointing == "offload", every_k=offload_every_k)
-        if selective:
-            _selective(model)
     if tiled_mlp:
         apply_tiled_mlp(model, "auto" if tiled_mlp is True else tiled_mlp)
-    return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, mgr)
+    return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, bool(selective), mgr)
 
 
 __all__ = ["configure_memory", "MemoryConfig", "CHECKPOINTING", "causal_lm_loss", "chunked_lm_loss",
