@@ -184,7 +184,11 @@ def main(argv=None):
         model, tok = load_model(name, rope_theta=args.rope_theta, device=device)
         if docs is None or tok.get_vocab() != tokenizer.get_vocab():
             tokenizer = tok
+            if dist.is_initialized() and rank != 0:
+                dist.barrier()  # rank 0 fills the datasets cache first; the others then read it
             docs = load_documents(args, tok)
+            if dist.is_initialized() and rank == 0:
+                dist.barrier()
             if docs is None:  # --save-tokenized
                 if rank == 0:
                     print(f"saved the tokenized dataset to {args.save_tokenized}")

@@ -65,7 +65,9 @@ def train(args):
     set_seed(args.seed)
 
     # 2. Model: attention through the sp group, memory options, optimizer whose LR is --learning-rate.
-    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+    # DeepSpeed bf16 keeps fp32 master weights in its optimizer; plain Accelerate autocasts fp32 weights.
+    ds_bf16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "bf16"
+    dtype = torch.bfloat16 if ds_bf16 else torch.float32
     model = load_model(args.model, config, dtype)
     tokenizer = load_tokenizer(args.model)
     n_params = count_params(model)
@@ -140,6 +142,7 @@ def train(args):
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.max_train_steps:
             ckpt.save_checkpoint(accelerator, args.output_dir, step + 1, args.keep_checkpoints,
                                  {"data": loader.state_dict()})
+        ckpt.crash_point("step", step + 1)  # no-op unless the tests ask for a crash
     bar.close()
 
     # 5. Final model: HF safetensors + tokenizer, RoPE theta (--save-rope-theta) in config.json.

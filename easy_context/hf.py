@@ -180,7 +180,9 @@ def _patch_instance(seq_algo, model, groups):
             model.set_attn_implementation(prev)
         return model
     # one name per model instance: two models may be bound to different groups
-    name = f"easy_context_{seq_algo}_{id(model):x}"
+    # transformers treats any implementation name containing "flash" as flash-attn (and tries to load
+    # it), so "dist_flash_attn" is registered as "easy_context_dist_fa_attn_<id>"
+    name = f"easy_context_{seq_algo.replace('flash', 'fa')}_{id(model):x}"
     AttentionInterface.register(name, make_attention_fn(seq_algo, **groups))
 
     def mask_fn(*args, **kwargs):

@@ -232,6 +232,10 @@ def test_single_process_against_full_logits_and_generate(tiny):
         ppl, _, _ = eval_ppl.compute_perplexity(eng, docs, 128, PplArgs(tr), tok)
         assert abs(ppl - hand[tr]) <= 1e-4 * hand[tr], (tr, ppl, hand[tr])
     eng.close()
+    # --rope_theta / --rope-theta reaches the rotary embedding
+    m2, _ = load_model(tiny, rope_theta=5e5)
+    assert m2.config.rope_parameters["rope_theta"] == 5e5
+    assert not torch.allclose(m2.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
 
 
 # ----------------------------------------------------------------------------------------------

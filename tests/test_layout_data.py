@@ -21,7 +21,8 @@ from tests.tols import assert_close
 # pure logic: degrees, coordinates, messages
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
-    (dict(seq_algo="zigzag_ring_attn", world_size=4, sp_size=3), r"world_size 4 / 3 = 1.33.*valid sp sizes: \[1, 2, 4\]"),
+    (dict(seq_algo="zigzag_ring_attn", world_size=4, sp_size=3),
+     r"world_size 4 / 3 = 1.33.*valid sp sizes: \[1, 2, 4\]"),
     (dict(seq_algo="zigzag_ring_attn", world_size=4, sp_size=2, dp_size=3), r"dp\(3\) x sp\(2\) = 6 != world_size 4"),
     (dict(seq_algo="usp_attn", world_size=8, sp_size=4, ring_degree=3), r"ring x ulysses = sp\(4\).*\[1, 2, 4\]"),
     (dict(seq_algo="usp_attn", world_size=4, ring_degree=0), r"valid ring degrees"),

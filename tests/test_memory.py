@@ -33,11 +33,16 @@ def _selective_available() -> bool:
         return False
 
 
-# (checkpointing, offload_every_k, tiled_mlp[, selective]): alone and combined
+# (checkpointing, offload_every_k, tiled_mlp, selective, lean_norm): alone and combined
 CONFIGS = [("none", 1, False), ("layer", 1, False), ("offload", 1, False), ("offload", 3, False),
-           ("nested", 2, False), ("none", 1, 3), ("layer", 1, 4), ("offload", 2, 5), ("nested", 3, True)]
+           ("nested", 2, False), ("none", 1, 3), ("layer", 1, 4), ("none", 1, False, False, True),
+           ("offload", 2, 5, False, True), ("nested", 3, True, False, True)]
 if _selective_available():
-    CONFIGS += [("selective", 1, False), ("selective", 1, 3), ("offload", 2, 3, True)]
+    CONFIGS += [("selective", 1, False), ("selective", 1, 3), ("offload", 2, 3, True, True)]
+
+
+def _configure(model, ck, k, tiles, selective=False, lean=False):
+    return configure_memory(model, ck, offload_every_k=k, tiled_mlp=tiles, selective=selective, lean_norm=lean)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,6 +142,30 @@ def test_tiled_mlp_exact_and_keeps_state_dict_keys():
     assert type(mlp) is LlamaMLP
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_rmsnorm_matches_hf(dtype):
+    from easy_context.memory.norm import lean_norm, unlean_norm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 9, 64, dtype=dtype, requires_grad=True)
+    dy = torch.randn(2, 9, 64, dtype=dtype)
+    ref = norm(x)
+    ref.backward(dy)
+    ref_g = (x.grad.clone(), norm.weight.grad.clone())
+    x.grad = norm.weight.grad = None
+    lean_norm(norm)
+    out = norm(x)
+    out.backward(dy)
+    assert torch.equal(out, ref), "forward must be bit-identical"
+    rel = REL if dtype == torch.float32 else 2e-2
+    assert_close(x.grad, ref_g[0], rel, "d x")
+    assert_close(norm.weight.grad, ref_g[1], rel, "d weight")
+    assert type(unlean_norm(norm)) is LlamaRMSNorm
+
+
 def test_configure_memory_validation():
     model = build_model("llama")
     with pytest.raises(ValueError, match="checkpointing must be one of"):
@@ -160,10 +189,10 @@ def test_every_option_is_exact_single_process():
     model = copy.deepcopy(ref)
     ids, pos, tgt = make_batch(2, 24, ref.config.vocab_size, labels_mask="random")
     _, ref_loss, ref_grads = reference_step(ref, ids, pos, tgt)
-    for ck, k, tiles, *sel in CONFIGS:
-        configure_memory(model, ck, offload_every_k=k, tiled_mlp=tiles, selective=bool(sel))
+    for cfg in CONFIGS:
+        _configure(model, *cfg)
         loss, grads = _our_step(model, ids, pos, tgt)
-        tag = f"[W=1 {ck} k={k} tiles={tiles}]"
+        tag = f"[W=1 {cfg}]"
         assert_close(loss, ref_loss, REL, f"{tag} loss")
         for name, g in grads.items():
             assert_close(g, ref_grads[name], REL, f"{tag} grad {name}")
@@ -208,35 +237,44 @@ def _available_modes():
     return modes
 
 
-def _sp_body(rank, world_size, modes, configs):
+def _sp_body(rank, world_size, plan):
+    """plan: [(mode, configs)]; the first mode also runs the case where only rank 0 has valid targets."""
     ref = build_model("llama", num_hidden_layers=4)
     seq = 32
     for mask in ("random", "one_rank"):
         if mask == "one_rank":  # every valid target on rank 0's tokens: rank 1's loss is 0, not NaN
             valid = torch.zeros(2, seq, dtype=torch.bool)
-            held = prepare_seq_parallel_inputs(modes[0], torch.arange(seq)[None], torch.arange(seq)[None],
+            held = prepare_seq_parallel_inputs(plan[0][0], torch.arange(seq)[None], torch.arange(seq)[None],
                                                None, 0, world_size, torch.device("cpu"))["local_input_ids"]
             valid[:, held[0]] = True
             ids, pos, tgt = make_batch(2, seq, ref.config.vocab_size, labels_mask=valid)
         else:
             ids, pos, tgt = make_batch(2, seq, ref.config.vocab_size, labels_mask="random")
-        r = copy.deepcopy(ref)
-        _, ref_loss, ref_grads = reference_step(r, ids, pos, tgt)
-        for mode in modes if mask == "random" else modes[:1]:
+        _, ref_loss, ref_grads = reference_step(copy.deepcopy(ref), ids, pos, tgt)
+        for mode, configs in plan if mask == "random" else plan[:1]:
             model = copy.deepcopy(ref)
-            apply_seq_parallel_monkey_patch(mode, model)
+            # family patch (restored below): an instance patch of dist_flash_attn currently trips
+            # transformers' "flash" name check in hf.py (reported)
+            apply_seq_parallel_monkey_patch(mode, "llama")
             p = prepare_seq_parallel_inputs(mode, ids, pos, tgt, rank, world_size, torch.device("cpu"))
-            for ck, k, tiles, *sel in configs:
-                configure_memory(model, ck, offload_every_k=k, tiled_mlp=tiles, selective=bool(sel))
-                loss, grads = _our_step(model, p["local_input_ids"], p["local_position_ids"],
-                                        p["local_target_ids"])
-                tag = f"[{mode} W={world_size} rank {rank} {ck} k={k} tiles={tiles} mask={mask}]"
-                assert torch.isfinite(loss), f"{tag} loss {loss}"
-                dist.all_reduce(loss)
-                assert_close(loss, ref_loss, REL, f"{tag} loss")
-                for name, g in grads.items():
-                    dist.all_reduce(g)
-                    assert_close(g, ref_grads[name], REL, f"{tag} grad {name}")
+            try:
+                _run_configs(model, mode, mask, p, configs, rank, world_size, ref_loss, ref_grads)
+            finally:
+                apply_seq_parallel_monkey_patch("data_parallel", "llama")
+
+
+def _run_configs(model, mode, mask, p, configs, rank, world_size, ref_loss, ref_grads):
+    for cfg in configs:
+        _configure(model, *cfg)
+        loss, grads = _our_step(model, p["local_input_ids"], p["local_position_ids"],
+                                p["local_target_ids"])
+        tag = f"[{mode} W={world_size} rank {rank} {cfg} mask={mask}]"
+        assert torch.isfinite(loss), f"{tag} loss {loss}"
+        dist.all_reduce(loss)
+        assert_close(loss, ref_loss, REL, f"{tag} loss")
+        for name, g in grads.items():
+            dist.all_reduce(g)
+            assert_close(g, ref_grads[name], REL, f"{tag} grad {name}")
 
 
 def test_every_option_is_exact_with_sequence_parallel_w2():
@@ -245,8 +283,7 @@ def test_every_option_is_exact_with_sequence_parallel_w2():
         pytest.skip("zigzag_ring_attn not available yet")
     modes.remove("zigzag_ring_attn")
     modes.insert(0, "zigzag_ring_attn")
-    # zigzag gets every config; the other modes a combined one (each option is mode-agnostic code)
-    run_ranks(_sp_body, world_size=2, args=(["zigzag_ring_attn"], CONFIGS), timeout=240)
-    others = [m for m in modes[1:] if m != "usp_attn"]  # usp needs ring/ulysses groups; W=2 = ring or ulysses
-    if others:
-        run_ranks(_sp_body, world_size=2, args=(others, [("offload", 2, 3), ("layer", 1, True)]), timeout=180)
+    # zigzag gets every config; the other modes combined ones (each option is mode-agnostic code)
+    combined = [("offload", 2, 3, False, True), ("layer", 1, True)]
+    plan = [("zigzag_ring_attn", CONFIGS)] + [(m, combined) for m in modes[1:]]
+    run_ranks(_sp_body, world_size=2, args=(plan,), timeout=240)

@@ -64,14 +64,14 @@ def _scale(q, softmax_scale):
 # ----------------------------------------------------------------------------------------------
 # the schedule runner shared by forward and backward
 # ----------------------------------------------------------------------------------------------
-def _run(rank, world, group, steps, backward, payload, alloc, diag, compute, consume):
+def _run(rank, world, group, split, steps, backward, payload, alloc, diag, compute, consume):
     """Run the off-diagonal ``steps`` in order, overlapping each step's compute with the next exchange.
 
     payload(msg) -> tensors this rank sends for ``msg``; alloc(msg) -> receive buffers;
     diag() computes step 0; compute(block, received) -> tensors for this rank's result message (or None);
     consume(msg, tensors) folds a received partial result into the accumulators.
     """
-    plan = all_plans(world)[rank]
+    plan = all_plans(world, split)[rank]
     results: dict[int, tuple] = {}
     inputs: dict[int, tuple] = {}
 
@@ -84,10 +84,11 @@ def _run(rank, world, group, steps, backward, payload, alloc, diag, compute, con
                 bufs = alloc(m)
                 recvs += [(b, m.src) for b in bufs]
                 got.append((m, bufs))
-        return p2p_exchange(sends, recvs, group), got
+        # ``sends`` rides along until the wait so sent tensors (e.g. a helper's result) stay alive
+        return p2p_exchange(sends, recvs, group), got, sends
 
     def finish(pending):
-        reqs, got = pending
+        reqs, got, _ = pending
         for r in reqs:
             r.wait()
         for m, bufs in got:
@@ -96,12 +97,12 @@ def _run(rank, world, group, steps, backward, payload, alloc, diag, compute, con
             else:
                 consume(m, bufs)
 
-    pending = exchange(input_messages(steps[0], world, backward)) if steps else ([], [])
+    pending = exchange(input_messages(steps[0], world, backward, split)) if steps else ([], [], [])
     diag()  # overlaps the first exchange
     for i, s in enumerate(steps):
         finish(pending)
-        nxt = input_messages(steps[i + 1], world, backward) if i + 1 < len(steps) else []
-        prev = result_messages(steps[i - 1], world, backward) if i > 0 else []
+        nxt = input_messages(steps[i + 1], world, backward, split) if i + 1 < len(steps) else []
+        prev = result_messages(steps[i - 1], world, backward, split) if i > 0 else []
         pending = exchange(nxt + prev)
         blk: Block | None = plan[s]
         if blk is not None:
@@ -110,7 +111,7 @@ def _run(rank, world, group, steps, backward, payload, alloc, diag, compute, con
                 results[s] = res
     finish(pending)
     if steps:
-        finish(exchange(result_messages(steps[-1], world, backward)))
+        finish(exchange(result_messages(steps[-1], world, backward, split)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,39 +121,51 @@ def dist_flash_attn_forward(q, k, v, softmax_scale=None, group=None, backend=Non
     """Causal attention of the contiguous local chunk -> (out in q's dtype, lse float32 (B, Hq, L))."""
     rank, world = group_rank_world(group)
     scale = _scale(q, softmax_scale)
-    o0, l0 = kernels.attn_forward(q, k, v, True, scale, backend)
     if world == 1:
-        return o0, l0
+        return kernels.attn_forward(q, k, v, True, scale, backend)
     ct = _acc_dtype(q)
-    acc = {"out": o0.to(ct), "lse": l0.to(ct).clone()}
+    b, n, hq, _ = q.shape
+    split = n >= 2  # the last step's blocks are shared by row halves (schedule.py)
+    plans = all_plans(world, split)
+    acc = {}
+
+    def rows(m, who):  # the q rows of message m's block, as run by rank ``who``
+        return plans[who][m.step].q_rows(n)
+
+    def diag():  # runs while the first exchange is in flight
+        o0, l0 = kernels.attn_forward(q, k, v, True, scale, backend)
+        acc.update(out=o0.to(ct), lse=l0.to(ct, copy=True))
 
     def payload(m, results):
         if m.kind == "kv":
             return (k, v)
         if m.kind == "q":
-            return (q,)
+            return (q[:, rows(m, m.dst)],)
         return results.pop(m.step)  # helper's (out, lse)
 
     def alloc(m):
         if m.kind == "kv":
             return (_buf(k), _buf(v))
+        r = rows(m, rank if m.kind == "q" else m.src)
         if m.kind == "q":
-            return (_buf(q),)
-        return (_buf(q), _buf(l0))
+            return (_buf(q[:, r]),)
+        return (_buf(q[:, r]), torch.empty((b, hq, r.stop - r.start), dtype=ct, device=q.device))
 
     def compute(blk, got):
         if blk.role(rank) == "own":  # my queries vs an earlier rank's kv: merge locally
-            o, lse = kernels.attn_forward(q, got[0], got[1], False, scale, backend)
-            kernels.merge_attn_out(acc["out"], acc["lse"], o, lse)
+            r = blk.q_rows(n)
+            o, lse = kernels.attn_forward(q[:, r], got[0], got[1], False, scale, backend)
+            kernels.merge_attn_out(acc["out"][:, r], acc["lse"][:, :, r], o, lse)
             return None
         o, lse = kernels.attn_forward(got[0], k, v, False, scale, backend)  # helper: their q, my kv
-        return (o, lse.to(l0.dtype))
+        return (o, lse.to(ct))
 
-    def consume(m, bufs):  # a helper's partial result for my queries
-        kernels.merge_attn_out(acc["out"], acc["lse"], bufs[0], bufs[1])
+    def consume(m, bufs):  # a helper's partial result for (some rows of) my queries
+        r = rows(m, m.src)
+        kernels.merge_attn_out(acc["out"][:, r], acc["lse"][:, :, r], bufs[0], bufs[1])
 
-    _run(rank, world, group, list(range(1, num_steps(world))), False, payload, alloc,
-         lambda: None, compute, consume)
+    _run(rank, world, group, split, list(range(1, num_steps(world))), False, payload, alloc,
+         diag, compute, consume)
     return acc["out"].to(q.dtype), acc["lse"]
 
 
@@ -170,7 +183,13 @@ def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=
     dout = dout.contiguous()
     if world == 1:
         return kernels.attn_backward(dout, q, k, v, out, lse, True, scale, backend)
+    n = q.shape[1]
+    split = n >= 2
+    plans = all_plans(world, split)
     acc = {}
+
+    def rows(m, who):
+        return plans[who][m.step].q_rows(n)
 
     def diag():
         dq, dk, dv = kernels.attn_backward(dout, q, k, v, out, lse, True, scale, backend)
@@ -181,20 +200,24 @@ def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=
         if m.kind == "kv":
             return (k, v)
         if m.kind == "q_do_o_lse":
-            return (q, dout, out, lse)
+            r = rows(m, m.dst)
+            return (q[:, r], dout[:, r], out[:, r], lse[:, :, r])
         return results.pop(m.step)
 
     def alloc(m):
         if m.kind in ("kv", "dkv"):
             return (_buf(k), _buf(v))
         if m.kind == "q_do_o_lse":
-            return (_buf(q), _buf(dout), _buf(out), _buf(lse))
-        return (_buf(q),)  # dq
+            r = rows(m, rank)
+            return (_buf(q[:, r]), _buf(dout[:, r]), _buf(out[:, r]), _buf(lse[:, :, r]))
+        return (_buf(q[:, rows(m, m.src)]),)  # dq
 
     def compute(blk, got):
         if blk.role(rank) == "own":
-            dq, dk, dv = kernels.attn_backward(dout, q, got[0], got[1], out, lse, False, scale, backend)
-            acc["dq"] += dq
+            r = blk.q_rows(n)
+            dq, dk, dv = kernels.attn_backward(dout[:, r], q[:, r], got[0], got[1], out[:, r], lse[:, :, r],
+                                               False, scale, backend)
+            acc["dq"][:, r] += dq
             return (dk, dv)  # belongs to the kv owner
         dq, dk, dv = kernels.attn_backward(got[1], got[0], k, v, got[2], got[3], False, scale, backend)
         acc["dk"] += dk
@@ -206,9 +229,9 @@ def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=
             acc["dk"] += bufs[0]
             acc["dv"] += bufs[1]
         else:
-            acc["dq"] += bufs[0]
+            acc["dq"][:, rows(m, m.src)] += bufs[0]
 
-    _run(rank, world, group, list(range(num_steps(world) - 1, 0, -1)), True, payload, alloc,
+    _run(rank, world, group, split, list(range(num_steps(world) - 1, 0, -1)), True, payload, alloc,
          diag, compute, consume)
     return acc["dq"].to(q.dtype), acc["dk"].to(k.dtype), acc["dv"].to(v.dtype)
 

@@ -8,6 +8,7 @@
 * ``tiled_mlp``     — each decoder MLP runs over the sequence in tiles, forward and backward (ALST idea).
 * ``offload``       — checkpointed layer inputs in pinned host memory with overlapped copies; every-k nesting.
 * ``selective``     — keep attention output + LSE, recompute the rest (``enable_selective_checkpointing``).
+* ``norm``          — RMSNorm that keeps its bf16 input + fp32 inverse RMS instead of fp32 upcasts.
 All are exact: same loss and gradients as without them (tests/test_memory.py).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .chunked_loss import causal_lm_loss, chunked_lm_loss, global_token_count, lm_head_loss
+from .norm import apply_lean_norms, remove_lean_norms
 from .offload import CheckpointOffload, enable_checkpoint_offload
 from .tiled_mlp import apply_tiled_mlp, tile_mlp, untile_mlp
 
@@ -27,6 +29,7 @@ class MemoryConfig:
     offload_every_k: int
     tiled_mlp: int | str | bool
     selective: bool = False
+    lean_norm: bool = False
     offload: CheckpointOffload | None = None
 
 
@@ -44,11 +47,13 @@ def _undo(model):
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         # transformers >= 5.24 renamed gradient_* to activation_checkpointing_*; 5.17 has only the old name
         (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    remove_lean_norms(model)
     model.__dict__.pop("_easy_context_offload", None)
 
 
 def configure_memory(model, checkpointing: str = "layer", offload_every_k: int = 1,
-                     tiled_mlp: bool | int | str = False, selective: bool = False) -> MemoryConfig:
+                     tiled_mlp: bool | int | str = False, selective: bool = False,
+                     lean_norm: bool = False) -> MemoryConfig:
     """Set the memory options of a transformers causal LM (call again to change them; idempotent).
 
     checkpointing: ``"none"``; ``"layer"`` (HF per-layer, non-reentrant); ``"selective"`` (keep attention
@@ -57,6 +62,8 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
     tiled_mlp: False, True/"auto" (tiles of ~hidden_size tokens, ALST's default) or a number of tiles.
     selective: also keep attention outputs over the chosen checkpointing (no attention recompute: faster,
       but +out/LSE per layer on the GPU); ``checkpointing="selective"`` is ``"layer"`` with this on.
+    lean_norm: RMSNorms keep their input + fp32 inverse RMS, not fp32 upcasts (-32 KB/token/layer at 7B
+      in the recompute working set; Llama/Mistral/Qwen2/Qwen3 norms).
     The chunked loss is not a model setting: compute the loss with ``causal_lm_loss``.
     """
     if checkpointing not in CHECKPOINTING:
@@ -85,9 +92,11 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
         enable_selective_checkpointing(model)
     if tiled_mlp:
         apply_tiled_mlp(model, "auto" if tiled_mlp is True else tiled_mlp)
-    return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, bool(selective), mgr)
+    if lean_norm:
+        apply_lean_norms(model)
+    return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, bool(selective), bool(lean_norm), mgr)
 
 
 __all__ = ["configure_memory", "MemoryConfig", "CHECKPOINTING", "causal_lm_loss", "chunked_lm_loss",
            "lm_head_loss", "global_token_count", "apply_tiled_mlp", "tile_mlp", "untile_mlp",
-           "CheckpointOffload", "enable_checkpoint_offload"]
+           "CheckpointOffload", "enable_checkpoint_offload", "apply_lean_norms", "remove_lean_norms"]

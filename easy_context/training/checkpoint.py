@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -99,6 +100,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
         os.makedirs(ckpt_root(output_dir), exist_ok=True)
     with atomic_dir(final, accelerator.is_main_process, accelerator.wait_for_everyone) as tmp:
         accelerator.save_state(tmp)
+        crash_point("checkpoint", step)  # fault injection for the tests: die mid-write
         if accelerator.is_main_process:
             with open(os.path.join(tmp, "train_state.json"), "w") as f:
                 json.dump({"step": step, **(extra or {})}, f)
@@ -107,6 +109,12 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def crash_point(where: str, step: int) -> None:
+    """Test hook: SIGKILL this process at ``where`` of ``step`` when EASY_CONTEXT_CRASH=where:step."""
+    if os.environ.get("EASY_CONTEXT_CRASH") == f"{where}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def load_checkpoint(accelerator, path: str) -> dict:

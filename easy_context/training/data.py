@@ -79,18 +79,31 @@ def pack_documents(token_docs, seq_length: int, output: str, bos_id, eos_id, pro
         buf: list[int] = []
         for doc in tqdm(token_docs, desc="packing", unit="doc", disable=not progress):
             buf.extend(([bos_id] if bos_id is not None else []) + list(doc) + ([eos_id] if eos_id is not None else []))
-            while len(buf) >= row:
-                yield {"input_ids": buf[:row]}
-                buf = buf[row:]
+            start = 0
+            while len(buf) - start >= row:
+                yield {"input_ids": buf[start:start + row]}
+                start += row
+            del buf[:start]
         if keep_remainder and buf:
             yield {"input_ids": buf}
 
+    from datasets.arrow_writer import ArrowWriter
+
     feats = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-    ds = datasets.Dataset.from_list(list(rows()), features=feats) if not progress else \
-        datasets.Dataset.from_generator(rows, features=feats)
-    if len(ds) == 0:
-        raise UsageError(f"not enough tokens for one row of {row} tokens")
-    save_dataset_atomic(ds, output)
+    scratch = output.rstrip("/") + ".rows.arrow"  # streamed to disk: memory stays one row
+    with ArrowWriter(features=feats, path=scratch) as writer:
+        for r in rows():
+            writer.write(r)
+        writer.finalize()
+    ds = None
+    try:
+        ds = datasets.Dataset.from_file(scratch)
+        if len(ds) == 0:
+            raise UsageError(f"not enough tokens for one row of {row} tokens")
+        save_dataset_atomic(ds, output)
+    finally:
+        del ds
+        os.remove(scratch)
     return output
 
 

@@ -21,6 +21,7 @@ import torch
 from ..comm import group_rank_world
 from ..ulysses_attn.attention import check_inputs as check_ulysses, heads_to_seq, reduce_kv_grad
 from ..ulysses_attn.attention import replicate_kv, seq_to_heads
+from ..zigzag_ring_attn.attention import zigzag_ring_backward, zigzag_ring_forward
 
 _NO_ULYSSES = None  # with U == 1 the all-to-alls are skipped, so the group is never used
 
@@ -47,7 +48,6 @@ def check_inputs(q, k, v, dropout_p, causal, ring: int, ulysses: int) -> int:
 
 
 def usp_forward(q, k, v, softmax_scale, rep, ring_group, ulysses, ulysses_group):
-    from ..zigzag_ring_attn.attention import zigzag_ring_forward
     # 1. one all-to-all: (B, S/(RU), H, D) -> this ring rank's zigzag pair (B, S/R, H/U, D)
     qh, kh, vh = seq_to_heads([q, replicate_kv(k, rep), replicate_kv(v, rep)], ulysses, ulysses_group)
     # 2. zigzag ring attention over the ring group on those heads
@@ -58,7 +58,6 @@ def usp_forward(q, k, v, softmax_scale, rep, ring_group, ulysses, ulysses_group)
 
 
 def usp_backward(dout, saved, softmax_scale, rep, ring_group, ulysses, ulysses_group):
-    from ..zigzag_ring_attn.attention import zigzag_ring_backward
     qh, kh, vh, outh, lse = saved
     (douth,) = seq_to_heads([dout], ulysses, ulysses_group)
     dqh, dkh, dvh = zigzag_ring_backward(douth, qh, kh, vh, outh, lse, softmax_scale, ring_group)

@@ -20,5 +20,8 @@ def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Tru
     return ZigzagRingAttnFunc.apply(q, k, v, softmax_scale, group, None)
 
 
+zigzag_ring_attn_func.supports_attention_cache = True  # lean selective checkpointing (memory/selective.py)
+
+
 __all__ = ["zigzag_ring_attn_func", "zigzag_ring_forward", "zigzag_ring_backward", "ZigzagRingAttnFunc",
            "block_plan", "RingBlock", "global_chunks", "check_inputs", "shard", "unshard", "seq_multiple"]

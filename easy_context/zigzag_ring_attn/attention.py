@@ -180,7 +180,10 @@ def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=No
 class ZigzagRingAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, group, backend):
-        out, lse = zigzag_ring_forward(q, k, v, softmax_scale, group, backend)
+        # Under selective checkpointing the layer's recomputation gets (out, lse) back from the cache
+        # (no ring traffic) and saves the recomputed q, k, v with them: only out + lse are kept per layer.
+        from ..memory.selective import cached_attention  # lazy: keeps the memory package off the import path
+        out, lse = cached_attention(lambda: zigzag_ring_forward(q, k, v, softmax_scale, group, backend))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.group, ctx.backend = softmax_scale, group, backend
         return out

@@ -1,0 +1,391 @@
+"""GPU memory per token of a Llama-2-7B-shaped model on one GPU: ours vs plain Hugging Face, same run.
+
+    python bench/bench_memory.py                      # H200: the whole run stays within --budget-s (510 s)
+    python bench/bench_memory.py --tiny               # CPU: code-path check on a tiny config (no numbers)
+
+hf:      transformers SDPA + per-layer gradient checkpointing + ``model(labels=...)`` (full fp32 logits).
+ours:    EasyContext at W=1 (zigzag_ring_attn -> kernel facade, cuDNN on Hopper) + chunked LM head/loss +
+         tiled MLP + lean RMSNorm + checkpoint offload (layer inputs in pinned host memory, copies
+         overlapped; one kept per k layers when the host budget --host-gib is short).
+ours-off: EasyContext at W=1 with every memory option off (layer checkpointing, HF logits + loss): the
+         reference for "no more than 10% tokens/s lost at 128K".
+probe:   ours with attention replaced by block-local causal attention (same kernel, blocks of 8K tokens):
+         the memory of a step at lengths whose full causal attention would not finish within the budget.
+         A memory measurement only: not a training step, no tokens/s reported.
+Each point is ONE forward+backward (batch 1, bf16 weights, random init) after a short warm-up at 4K:
+peak = torch.cuda.max_memory_allocated (weights + grads included); slope = least-squares fit of peak vs
+tokens over the real (non-probe) points of each implementation; projected max = where the fit meets the
+GPU's memory. One optimizer step (AdamW, fp32 m/v in CPU memory, update computed on the GPU one
+parameter at a time; bf16 weights updated in place) follows ours' fwd+bwd at --opt-length.
+Before each point the time it would take is extrapolated (quadratic in length) and the point is skipped
+if it would overrun the budget; an out-of-memory is caught and reported.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.common import env_line, table  # noqa: E402
+from bench.llama7b import build_model, llama7b_config, model_flops_per_token, one_rank_group  # noqa: E402
+
+PEAK_FLOPS = 989e12
+GiB, KiB = 2**30, 2**10
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_empty_cache():
+    fn = getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None:
+        fn()
+
+
+# ------------------------------------------------------------------------------------------------
+# configurations
+# ------------------------------------------------------------------------------------------------
+def keep_every_k(model, L, host_gib):
+    """Smallest k so that the kept (offloaded) layer inputs fit in host_gib of pinned memory."""
+    c = model.config
+    need = c.num_hidden_layers * L * c.hidden_size * 2 / GiB
+    return max(1, math.ceil(need / host_gib))
+
+
+def configure(model, impl, L, args):
+    from easy_context import apply_seq_parallel_monkey_patch
+    from easy_context.memory import configure_memory
+    _restore_attention(model)
+    if impl == "hf":
+        apply_seq_parallel_monkey_patch("data_parallel", model)
+        return configure_memory(model, "layer")
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    if impl == "ours-off":
+        return configure_memory(model, "layer")
+    k = keep_every_k(model, L, args.host_gib) if args.checkpointing == "offload" else args.every_k
+    cfg = configure_memory(model, args.checkpointing, offload_every_k=k,
+                           tiled_mlp="auto" if args.tiles == "auto" else int(args.tiles),
+                           selective=args.selective, lean_norm=not args.no_lean_norm)
+    if impl == "probe":
+        _block_attention(model, args.probe_block)
+    return cfg
+
+
+def _block_attention(model, block):
+    """Block-local causal attention (memory stand-in for full causal attention at probe lengths)."""
+    import torch.nn.functional as F
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        b, h, s, d = query.shape
+        bs = min(block, s)
+        assert s % bs == 0, f"probe length {s} must be a multiple of the block {bs}"
+
+        def blocks(x):
+            return x.reshape(b, x.shape[1], s // bs, bs, d).transpose(1, 2).reshape(b * (s // bs), x.shape[1], bs, d)
+        out = F.scaled_dot_product_attention(blocks(query), blocks(key), blocks(value), is_causal=True,
+                                             scale=scaling, enable_gqa=key.shape[1] != h)
+        return out.reshape(b, s // bs, h, bs, d).permute(0, 1, 3, 2, 4).reshape(b, s, h, d), None
+
+    AttentionInterface.register("ec_block_probe", attention)
+    AttentionMaskInterface.register("ec_block_probe", lambda *a, **k: None)
+    model._ec_probe_prev = model.config._attn_implementation
+    model.set_attn_implementation("ec_block_probe")
+
+
+def _restore_attention(model):
+    prev = model.__dict__.pop("_ec_probe_prev", None)
+    if prev is not None:
+        model.set_attn_implementation(prev)
+
+
+# ------------------------------------------------------------------------------------------------
+# one optimizer step with CPU-resident AdamW states
+# ------------------------------------------------------------------------------------------------
+class CPUStateAdamW:
+    """AdamW whose fp32 moments live in host memory; each parameter's update is computed on its device.
+
+    Host memory 8 bytes/parameter (54 GB for 6.7B); GPU transient: a few fp32 copies of the largest
+    parameter. Weights stay bf16 (no fp32 master copy: +4 bytes/parameter on the host if wanted).
+    """
+
+    def __init__(self, params, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):
+        self.params = [p for p in params if p.requires_grad]
+        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.state: dict[int, tuple] = {}
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        b1, b2 = self.betas
+        bc1, bc2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        for p in self.params:
+            if p.grad is None:
+                continue
+            st = self.state.get(id(p))
+            if st is None:
+                m = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                v = torch.zeros_like(m)
+            else:
+                m, v = (s.to(p.device, non_blocking=True) for s in st)
+            g = p.grad.float()
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            upd = (m / bc1).div_((v / bc2).sqrt_().add_(self.eps))
+            w = p.float().mul_(1 - self.lr * self.wd).add_(upd, alpha=-self.lr)
+            p.copy_(w)
+            if st is None:
+                self.state[id(p)] = (m.cpu(), v.cpu())
+            else:
+                st[0].copy_(m)
+                st[1].copy_(v)
+            del m, v, g, upd, w
+
+    def host_bytes(self):
+        return sum(s.numel() * s.element_size() for st in self.state.values() for s in st)
+
+
+# ------------------------------------------------------------------------------------------------
+# one measured point
+# ------------------------------------------------------------------------------------------------
+def make_batch(model, L, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, L + 1), generator=g).to(device)
+    tgt = ids[:, 1:].clone()
+    return ids[:, :-1], torch.arange(L, device=device).unsqueeze(0), tgt
+
+
+def fwd_bwd(model, impl, L, device):
+    from easy_context.memory import causal_lm_loss
+    inp, pos, tgt = make_batch(model, L, device)
+    if impl in ("hf", "ours-off"):
+        # HF's labels= path shifts internally: labels = the inputs
+        loss = model(input_ids=inp, position_ids=pos, labels=inp, use_cache=False).loss
+    else:
+        loss = causal_lm_loss(model, inp, pos, tgt)
+    loss.backward()
+    return float(loss)
+
+
+def cleanup(model, device):
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(model, impl, L, args, device, opt=False):
+    cfg = configure(model, impl, L, args)
+    row = dict(impl=impl, L=L, k=getattr(cfg, "offload_every_k", "") if impl in ("ours", "probe") else "")
+    mgr = getattr(cfg, "offload", None)
+    if mgr is not None and device.type == "cuda" and mgr.offload:
+        # pin the host buffers off the clock (pinning tens of GB is slow and happens once per run)
+        n_kept = math.ceil(model.config.num_hidden_layers / mgr.every_k)
+        mgr.reserve(n_kept, L * model.config.hidden_size * 2)
+    cleanup(model, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    try:
+        loss = fwd_bwd(model, impl, L, device)
+        _sync(device)
+    except torch.OutOfMemoryError:
+        row.update(status="OOM", secs=round(time.perf_counter() - t0, 1))
+        cleanup(model, device)
+        return row
+    dt = time.perf_counter() - t0
+    row.update(status="ok", secs=round(dt, 1), loss=round(loss, 4))
+    if device.type == "cuda":
+        row["peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
+    if impl != "probe":
+        tok_s = L / dt
+        row["tok_s"] = round(tok_s)
+        row["MFU"] = f"{100 * model_flops_per_token(model, L) * tok_s / PEAK_FLOPS:.1f}%"
+    if mgr is not None:
+        mgr.release_pool()
+        _host_empty_cache()
+    if opt:
+        opt_row = optimizer_step(model, device)
+        row.update(opt_row)
+    cleanup(model, device)
+    return row
+
+
+def optimizer_step(model, device):
+    optim = CPUStateAdamW(model.parameters())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    try:
+        optim.step()
+        _sync(device)
+    except torch.OutOfMemoryError:
+        return dict(opt_status="OOM")
+    res = dict(opt_status="ok", opt_secs=round(time.perf_counter() - t0, 1),
+               opt_host_GiB=round(optim.host_bytes() / GiB, 1))
+    if device.type == "cuda":
+        res["opt_peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
+    del optim
+    gc.collect()
+    return res
+
+
+def fit_slope(rows):
+    """Least-squares peak = a + b·L over ok rows; returns (b in KiB/token, a in GiB) or None."""
+    pts = [(r["L"], r["peak_GiB"]) for r in rows if r.get("status") == "ok" and "peak_GiB" in r]
+    if len(pts) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx == 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    return b * GiB / KiB, my - b * mx
+
+
+# ------------------------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hf-lengths", type=int, nargs="*", default=[32768, 65536, 131072])
+    ap.add_argument("--ours-lengths", type=int, nargs="*", default=[32768, 65536, 131072, 262144, 524288])
+    ap.add_argument("--off-lengths", type=int, nargs="*", default=[131072],
+                    help="lengths for ours with every memory option off (the 10%% speed reference)")
+    ap.add_argument("--opt-length", type=int, default=262144, help="ours' point followed by an optimizer step")
+    ap.add_argument("--probe-lengths", type=int, nargs="*", default=[1048576, 786432, 524288],
+                    help="memory probes (block-local attention), largest first; stops at the first that fits")
+    ap.add_argument("--probe-block", type=int, default=8192)
+    ap.add_argument("--checkpointing", default="offload", choices=["offload", "nested", "layer", "selective"])
+    ap.add_argument("--every-k", type=int, default=1, help="kept input every k layers (nested/layer modes)")
+    ap.add_argument("--host-gib", type=float, default=40.0,
+                    help="pinned host memory for offloaded layer inputs; sets k = ceil(need / this)")
+    ap.add_argument("--tiles", default="auto", help="tiled MLP: 'auto' (~hidden_size tokens/tile) or a count")
+    ap.add_argument("--selective", action="store_true", help="ours also keeps attention outputs (faster)")
+    ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean RMSNorm")
+    ap.add_argument("--budget-s", type=float, default=510.0, help="whole-run wall-clock budget (seconds)")
+    ap.add_argument("--tiny", action="store_true", help="tiny config; runs on CPU (code-path check)")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+
+    if args.tiny:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        args.hf_lengths, args.ours_lengths, args.off_lengths = [256, 512], [256, 512, 1024], [512]
+        args.opt_length, args.probe_lengths, args.probe_block, args.host_gib = 1024, [2048, 1024], 256, 1e-4
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_memory.py needs a CUDA GPU (use --tiny for a CPU code-path check)")
+        device = torch.device("cuda")
+    one_rank_group()
+    model = build_model(llama7b_config(args.tiny), device)
+    total_gib = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None
+    print(env_line(), f"| params {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B", flush=True)
+
+    # warm-up (cuDNN plans, allocator) at a short length, off the table
+    warm = 256 if args.tiny else 4096
+    for impl in ("hf", "ours"):
+        measure(model, impl, warm, args, device)
+
+    plan = []
+    for L in sorted(set(args.hf_lengths) | set(args.ours_lengths) | set(args.off_lengths)):
+        if L in args.hf_lengths:
+            plan.append(("hf", L))
+        if L in args.ours_lengths:
+            plan.append(("ours", L))
+        if L in args.off_lengths:
+            plan.append(("ours-off", L))
+    rows, last, dead = [], {}, set()
+
+    def left():
+        return args.budget_s - (time.perf_counter() - t_start)
+
+    for impl, L in plan:
+        if impl in dead:
+            rows.append(dict(impl=impl, L=L, status="skipped (OOM at a shorter length)"))
+            continue
+        prev = last.get(impl) or last.get("ours")
+        opt = L == args.opt_length and impl == "ours"
+        if prev is not None:
+            pred = prev[1] * (L / prev[0]) ** 2 + (45 if opt else 0)
+            if pred > left() and not args.tiny:
+                rows.append(dict(impl=impl, L=L, status=f"skipped (time: ~{pred:.0f}s > {left():.0f}s left)"))
+                print(rows[-1], flush=True)
+                continue
+        row = measure(model, impl, L, args, device, opt=opt)
+        rows.append(row)
+        print(row, flush=True)
+        if row["status"] == "OOM":
+            dead.add(impl)
+        else:
+            last[impl] = (L, row["secs"])
+
+    # memory probes: the largest length that fits, within what is left of the budget
+    ours_ok = [r for r in rows if r["impl"] == "ours" and r.get("status") == "ok"]
+    lin = (ours_ok[0]["secs"] / ours_ok[0]["L"]) if ours_ok else None  # s/token at the shortest length
+    for L in args.probe_lengths:
+        pred = (lin or 0) * L * 1.3
+        if not args.tiny and pred > left():
+            rows.append(dict(impl="probe", L=L, status=f"skipped (time: ~{pred:.0f}s > {left():.0f}s left)"))
+            print(rows[-1], flush=True)
+            continue
+        row = measure(model, "probe", L, args, device)
+        rows.append(row)
+        print(row, flush=True)
+        if row["status"] == "ok":
+            break
+    _restore_attention(model)
+
+    # summary
+    fits = {}
+    for impl in ("hf", "ours"):
+        f = fit_slope([r for r in rows if r["impl"] == impl])
+        if f:
+            slope, icpt = f
+            proj = int((total_gib - icpt) * GiB / (slope * KiB)) if total_gib else None
+            fits[impl] = dict(slope_KiB_per_token=round(slope, 1), intercept_GiB=round(icpt, 1),
+                              projected_max_tokens=proj)
+    longest = {impl: max([r["L"] for r in rows if r["impl"] == impl and r.get("status") == "ok"], default=None)
+               for impl in ("hf", "ours", "probe")}
+    speed = {}
+    for r in rows:
+        if r["impl"] == "ours-off" and r.get("status") == "ok":
+            mine = next((o for o in rows if o["impl"] == "ours" and o["L"] == r["L"] and o.get("status") == "ok"),
+                        None)
+            if mine:
+                speed[r["L"]] = round(mine["tok_s"] / r["tok_s"], 3)
+
+    cols = ["impl", "L", "k", "status", "secs", "peak_GiB", "tok_s", "MFU", "opt_secs", "opt_peak_GiB",
+            "opt_host_GiB"]
+    print("\n## Memory: Llama-2-7B shape, one GPU, fwd+bwd, batch 1, bf16\n")
+    print(env_line())
+    print(table(rows, cols))
+    for impl, f in fits.items():
+        print(f"- {impl}: slope {f['slope_KiB_per_token']} KB/token, intercept {f['intercept_GiB']} GiB, "
+              f"projected max {f['projected_max_tokens']} tokens on {total_gib and round(total_gib, 1)} GiB")
+    print(f"- longest length reached: {longest}")
+    for L, ratio in speed.items():
+        print(f"- tokens/s ours / ours-off at {L}: {ratio}")
+    print(f"- total wall time {time.perf_counter() - t_start:.0f}s (budget {args.budget_s:.0f}s)")
+    result = dict(env=env_line(), args=vars(args), rows=rows, fits=fits, longest=longest,
+                  speed_ratio_vs_off=speed, total_GiB=total_gib)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_memory.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
