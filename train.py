@@ -61,7 +61,7 @@ def train(args):
         ckpt.remove_stale_temps(args.output_dir)  # half-written checkpoints of a killed run
     if args.wandb:
         accelerator.init_trackers(args.wandb, config=vars(args), init_kwargs={
-            "wandb": {"name": os.path.basename(os.path.normpath(args.output_dir))}})
+            "wandb": {"name": os.path.basename(os.path.normpath(args.output_dir)), "dir": args.output_dir}})
     set_seed(args.seed)
 
     # 2. Model: attention through the sp group, memory options, optimizer whose LR is --learning-rate.

@@ -71,7 +71,8 @@ def configure(model, impl, L, args):
     apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
     if impl == "ours-off":
         return configure_memory(model, "layer")
-    k = keep_every_k(model, L, args.host_gib) if args.checkpointing == "offload" else args.every_k
+    host = args.probe_host_gib if impl == "probe" else args.host_gib
+    k = keep_every_k(model, L, host) if args.checkpointing == "offload" else args.every_k
     cfg = configure_memory(model, args.checkpointing, offload_every_k=k,
                            tiled_mlp="auto" if args.tiles == "auto" else int(args.tiles),
                            selective=args.selective, lean_norm=not args.no_lean_norm)
@@ -113,10 +114,11 @@ def _restore_attention(model):
 # one optimizer step with CPU-resident AdamW states
 # ------------------------------------------------------------------------------------------------
 class CPUStateAdamW:
-    """AdamW whose fp32 moments live in host memory; each parameter's update is computed on its device.
+    """AdamW whose fp32 moments live in (pinned) host memory; each parameter's update runs on its device.
 
-    Host memory 8 bytes/parameter (54 GB for 6.7B); GPU transient: a few fp32 copies of the largest
-    parameter. Weights stay bf16 (no fp32 master copy: +4 bytes/parameter on the host if wanted).
+    Host memory 8 bytes/parameter (50 GiB for 6.7B); GPU transient: a few fp32 copies of the largest
+    parameter. Weights stay bf16 (no fp32 master copy: +4 bytes/parameter on the host if wanted). Copies
+    are asynchronous (pinned host buffers), so the PCIe traffic overlaps the per-parameter math.
     """
 
     def __init__(self, params, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):
@@ -124,6 +126,15 @@ class CPUStateAdamW:
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.state: dict[int, tuple] = {}
         self.t = 0
+        self.pinned = True
+
+    def _host(self, like):
+        if self.pinned:
+            try:
+                return torch.empty(like.shape, dtype=torch.float32, pin_memory=True)
+            except RuntimeError:
+                self.pinned = False
+        return torch.empty(like.shape, dtype=torch.float32)
 
     @torch.no_grad()
     def step(self):
@@ -134,7 +145,7 @@ class CPUStateAdamW:
             if p.grad is None:
                 continue
             st = self.state.get(id(p))
-            if st is None:
+            if st is None:  # first step: moments start at zero on the device, no upload
                 m = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 v = torch.zeros_like(m)
             else:
@@ -146,11 +157,13 @@ class CPUStateAdamW:
             w = p.float().mul_(1 - self.lr * self.wd).add_(upd, alpha=-self.lr)
             p.copy_(w)
             if st is None:
-                self.state[id(p)] = (m.cpu(), v.cpu())
-            else:
-                st[0].copy_(m)
-                st[1].copy_(v)
+                st = self.state[id(p)] = (self._host(m), self._host(v))
+            st[0].copy_(m, non_blocking=self.pinned)
+            st[1].copy_(v, non_blocking=self.pinned)
+            # m, v are freed here; the caching allocator keeps them until the copies on this stream end
             del m, v, g, upd, w
+        if self.params and self.params[0].is_cuda:
+            torch.cuda.current_stream(self.params[0].device).synchronize()
 
     def host_bytes(self):
         return sum(s.numel() * s.element_size() for st in self.state.values() for s in st)
@@ -239,8 +252,10 @@ def optimizer_step(model, device):
                opt_host_GiB=round(optim.host_bytes() / GiB, 1))
     if device.type == "cuda":
         res["opt_peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
+    res["opt_pinned"] = optim.pinned
     del optim
     gc.collect()
+    _host_empty_cache()  # pinned states came from torch's caching host allocator: give them back
     return res
 
 
@@ -273,6 +288,8 @@ def main():
     ap.add_argument("--every-k", type=int, default=1, help="kept input every k layers (nested/layer modes)")
     ap.add_argument("--host-gib", type=float, default=40.0,
                     help="pinned host memory for offloaded layer inputs; sets k = ceil(need / this)")
+    ap.add_argument("--probe-host-gib", type=float, default=72.0,
+                    help="pinned host memory for the probes (no optimizer states are held then)")
     ap.add_argument("--tiles", default="auto", help="tiled MLP: 'auto' (~hidden_size tokens/tile) or a count")
     ap.add_argument("--selective", action="store_true", help="ours also keeps attention outputs (faster)")
     ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean RMSNorm")
@@ -284,7 +301,8 @@ def main():
     if args.tiny:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         args.hf_lengths, args.ours_lengths, args.off_lengths = [256, 512], [256, 512, 1024], [512]
-        args.opt_length, args.probe_lengths, args.probe_block, args.host_gib = 1024, [2048, 1024], 256, 1e-4
+        args.opt_length, args.probe_lengths, args.probe_block = 1024, [2048, 1024], 256
+        args.host_gib = args.probe_host_gib = 1e-4  # force k > 1 (nested) on the tiny model
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench_memory.py needs a CUDA GPU (use --tiny for a CPU code-path check)")
@@ -312,6 +330,12 @@ def main():
     def left():
         return args.budget_s - (time.perf_counter() - t_start)
 
+    def save(**extra):  # after every point: a crash or a kill still leaves the rows so far
+        if os.environ.get("OUT"):
+            os.makedirs(os.environ["OUT"], exist_ok=True)
+            with open(os.path.join(os.environ["OUT"], "bench_memory.json"), "w") as fh:
+                json.dump(dict(env=env_line(), args=vars(args), rows=rows, **extra), fh, indent=1)
+
     for impl, L in plan:
         if impl in dead:
             rows.append(dict(impl=impl, L=L, status="skipped (OOM at a shorter length)"))
@@ -327,6 +351,7 @@ def main():
         row = measure(model, impl, L, args, device, opt=opt)
         rows.append(row)
         print(row, flush=True)
+        save()
         if row["status"] == "OOM":
             dead.add(impl)
         else:
@@ -344,6 +369,7 @@ def main():
         row = measure(model, "probe", L, args, device)
         rows.append(row)
         print(row, flush=True)
+        save()
         if row["status"] == "ok":
             break
     _restore_attention(model)
@@ -379,12 +405,9 @@ def main():
     for L, ratio in speed.items():
         print(f"- tokens/s ours / ours-off at {L}: {ratio}")
     print(f"- total wall time {time.perf_counter() - t_start:.0f}s (budget {args.budget_s:.0f}s)")
-    result = dict(env=env_line(), args=vars(args), rows=rows, fits=fits, longest=longest,
-                  speed_ratio_vs_off=speed, total_GiB=total_gib)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_memory.json"), "w") as fh:
-            json.dump(result, fh, indent=1)
-    return result
+    summary = dict(fits=fits, longest=longest, speed_ratio_vs_off=speed, total_GiB=total_gib)
+    save(**summary)
+    return summary
 
 
 if __name__ == "__main__":

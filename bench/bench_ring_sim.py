@@ -46,7 +46,7 @@ def dist_flash_blocks(rank, world, S):
     for b in block_plan(rank, world):
         if b is None:
             continue
-        out.append((b.q_rank, slice(0, n), b.kv_rank, slice(0, n), b.q_rank == b.kv_rank))
+        out.append((b.q_rank, b.q_rows(n), b.kv_rank, slice(0, n), b.causal))
     return out
 
 

@@ -55,13 +55,13 @@ def step_fn(model, which, L, device):
     return run
 
 
-def measure(model, which, L, steps, device, tiled=False):
+def measure(model, which, L, steps, device, tiled=False, warmup=1):
     configure(model, which, tiled)
     run = step_fn(model, which, L, device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
-        ms = cuda_time_ms(run, warmup=1, iters=steps)
+        ms = cuda_time_ms(run, warmup=warmup, iters=steps)
     except torch.OutOfMemoryError:
         return dict(impl=which, L=L, tok_s="OOM")
     peak = torch.cuda.max_memory_allocated() / 2**30
@@ -148,6 +148,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     ap.add_argument("--steps", type=int, default=1, help="timed steps per point (after one warm-up step)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per point")
     ap.add_argument("--tiled", action="store_true", help="also run ours with the tiled MLP")
     ap.add_argument("--tiny", action="store_true", help="tiny config (code-path smoke test)")
     args = ap.parse_args()
@@ -162,12 +163,12 @@ def main():
     for L in args.lengths:
         pair = {}
         for which in ("baseline", "ours"):
-            r = measure(model, which, L, args.steps, device)
+            r = measure(model, which, L, args.steps, device, warmup=args.warmup)
             pair[which] = r
             rows.append(r)
             print(r, flush=True)
         if args.tiled:
-            rows.append(measure(model, "ours", L, args.steps, device, tiled=True))
+            rows.append(measure(model, "ours", L, args.steps, device, tiled=True, warmup=args.warmup))
             print(rows[-1], flush=True)
         if "_tok_s" in pair["baseline"] and "_tok_s" in pair["ours"]:
             pair["ours"]["vs_baseline"] = f"{pair['ours']['_tok_s'] / pair['baseline']['_tok_s']:.2f}x"

@@ -133,7 +133,8 @@ def make_docs(tok, n=3):
 def test_needle_prompt_depth_digits_and_haystack(tiny, tmp_path):
     from transformers import AutoTokenizer
 
-    from easy_context.haystack import NEEDLE, PREFIX, QUESTION_STR, NeedleHaystack, filler_text, random_number, read_haystack
+    from easy_context.haystack import (NEEDLE, PREFIX, QUESTION_STR, NeedleHaystack, filler_text, random_number,
+                                       read_haystack)
 
     tok = AutoTokenizer.from_pretrained(tiny)
     hay = NeedleHaystack(tok, filler_text(200), 3000)

@@ -8,7 +8,7 @@ rematerialisation-aware checkpointing this mode was designed with.
 """
 from .attention import (DistFlashAttnFunc, dist_flash_attn, dist_flash_attn_backward,
                         dist_flash_attn_forward, validate)
-from .schedule import block_plan, num_steps, work_counts
+from .schedule import Block, block_plan, num_steps, work_counts
 
 
 def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None):
@@ -26,4 +26,4 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True
 dist_flash_attn_func.supports_attention_cache = True
 
 __all__ = ["dist_flash_attn_func", "dist_flash_attn", "dist_flash_attn_forward", "dist_flash_attn_backward",
-           "DistFlashAttnFunc", "block_plan", "num_steps", "work_counts", "validate"]
+           "DistFlashAttnFunc", "Block", "block_plan", "num_steps", "work_counts", "validate"]

@@ -160,7 +160,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, group, j, hidden, _dummy):
         ctx.call, ctx.group, ctx.j = call, group, j
-        return _first(call.fn(hidden)).detach()
+        out = call.fn(hidden)
+        # transformers < 5 layers return a tuple (hidden, ...): the extras (None/attn weights) pass through
+        call.extra = tuple(out[1:]) if isinstance(out, (tuple, list)) else None
+        return _first(out)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -186,6 +189,7 @@ class CheckpointOffload:
         self.offload, self.every_k = bool(offload), int(every_k)
         self._streams: dict = {}
         self._pool: dict[int, list] = {}
+        self._registered: dict[int, torch.Tensor] = {}
         self._order: list[_Group] = []  # groups of the current forward, in order (for prefetch)
         self._open: _Group | None = None
 
@@ -200,7 +204,21 @@ class CheckpointOffload:
         free = self._pool.get(nbytes)
         if free:
             return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._new_pinned(nbytes)
+
+    def _new_pinned(self, nbytes: int) -> torch.Tensor:
+        # Page-lock ordinary host memory ourselves (cudaHostRegister) instead of torch's caching host
+        # allocator, so release_pool() really returns it to the OS: tens of GB per length otherwise stay
+        # cached for the life of the process.
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            ok = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0
+        except Exception:
+            ok = False
+        if not ok:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._registered[buf.data_ptr()] = buf
+        return buf
 
     def give_back(self, buf: torch.Tensor):
         self._pool.setdefault(buf.numel(), []).append(buf)
@@ -209,10 +227,16 @@ class CheckpointOffload:
         """Pin ``count`` host buffers of ``nbytes`` ahead of time (pinning is slow; do it off the clock)."""
         have = len(self._pool.get(nbytes, []))
         for _ in range(count - have):
-            self.give_back(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+            self.give_back(self._new_pinned(nbytes))
 
     def release_pool(self):
-        """Drop cached pinned buffers (call between runs of different lengths to cap host memory)."""
+        """Free the cached pinned buffers (between runs of different lengths, to cap host memory)."""
+        for s in self._streams.values():
+            s.synchronize()  # no copy may still read or write a buffer we unpin
+        for bufs in self._pool.values():
+            for b in bufs:
+                if self._registered.pop(b.data_ptr(), None) is not None:
+                    torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
         self._pool.clear()
 
     # -- the checkpoint function -------------------------------------------------------------------
@@ -243,7 +267,7 @@ class CheckpointOffload:
             group.fns.append(call)
             dummy = torch.empty(0, requires_grad=True)  # output needs grad even if hidden does not
             out = _OffloadedCheckpoint.apply(call, group, len(group.fns) - 1, hidden, dummy)
-            return out
+            return out if call.extra is None else (out, *call.extra)
 
         return checkpoint_fn
 
