@@ -1,9 +1,17 @@
 #!/usr/bin/env python
 """Long-context fine-tuning of a Hugging Face causal LM with sequence parallelism (EasyContext's train.py).
 
+    # one node, 8 GPUs, DeepSpeed ZeRO-3 offload, bf16 (the sequence spread over all 8 GPUs)
     accelerate launch --config_file accelerate_configs/single_node.yaml train.py \
-        --model meta-llama/Llama-2-7b-hf --dataset DATA --seq-length 262144 --rope-theta 1e7 \
-        --parallel_mode zigzag_ring_attn --output-dir output/stage3
+        --model meta-llama/Llama-2-7b-hf --dataset DATA --seq-length 256000 --rope-theta 1e7 \
+        --parallel_mode zigzag_ring_attn --gradient-accumulate-every 4 --output-dir output/stage3
+    # two nodes: the same on each node, plus --machine_rank N --main_process_ip HOST; --sp-size 8 keeps
+    # each sequence inside a node (dp 2 x sp 8)
+    accelerate launch --config_file accelerate_configs/two_node.yaml --machine_rank 0 \
+        --main_process_ip HOST --main_process_port 29500 train.py --sp-size 8 ...
+    # CPU: 2 processes (gloo), ZeRO-3, float32 (`make demo`); or `python train.py ...` (1 process)
+    accelerate launch --config_file accelerate_configs/cpu.yaml train.py --model TINY --dataset DATA \
+        --seq-length 256 --output-dir out
 
 Processes form data-parallel (dp) x sequence-parallel (sp) groups: the ranks of one sp group hold
 shards of the same packed rows (`--batch-size` rows per micro-batch), different sp groups read
@@ -26,6 +34,9 @@ def main(argv=None):
     try:
         train(args)
     except UsageError as e:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # a clean exit code instead of a gloo abort
         fail(str(e))
 
 

@@ -45,12 +45,6 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _host_empty_cache():
-    fn = getattr(torch._C, "_host_emptyCache", None)
-    if fn is not None:
-        fn()
-
-
 # ------------------------------------------------------------------------------------------------
 # configurations
 # ------------------------------------------------------------------------------------------------
@@ -127,14 +121,26 @@ class CPUStateAdamW:
         self.state: dict[int, tuple] = {}
         self.t = 0
         self.pinned = True
+        self.registered: list = []
 
     def _host(self, like):
-        if self.pinned:
-            try:
-                return torch.empty(like.shape, dtype=torch.float32, pin_memory=True)
-            except RuntimeError:
-                self.pinned = False
-        return torch.empty(like.shape, dtype=torch.float32)
+        t = torch.empty(like.shape, dtype=torch.float32)
+        if self.pinned and like.is_cuda:  # page-lock exactly this tensor (torch's pinned pool rounds up)
+            nbytes = t.numel() * t.element_size()
+            self.pinned = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
+            if self.pinned:
+                self.registered.append(t)
+        else:
+            self.pinned = False
+        return t
+
+    def close(self):
+        """Unpin and drop the host states."""
+        if self.registered:
+            torch.cuda.synchronize()
+            for t in self.registered:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self.registered, self.state = [], {}
 
     @torch.no_grad()
     def step(self):
@@ -204,9 +210,9 @@ def measure(model, impl, L, args, device, opt=False):
     row = dict(impl=impl, L=L, k=getattr(cfg, "offload_every_k", "") if impl in ("ours", "probe") else "")
     mgr = getattr(cfg, "offload", None)
     if mgr is not None and device.type == "cuda" and mgr.offload:
-        # pin the host buffers off the clock (pinning tens of GB is slow and happens once per run)
+        # pin the host chunks off the clock (pinning is slow); the pool is reused by later lengths
         n_kept = math.ceil(model.config.num_hidden_layers / mgr.every_k)
-        mgr.reserve(n_kept, L * model.config.hidden_size * 2)
+        mgr.reserve(n_kept * L * model.config.hidden_size * 2)
     cleanup(model, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -219,6 +225,10 @@ def measure(model, impl, L, args, device, opt=False):
         row.update(status="OOM", secs=round(time.perf_counter() - t0, 1))
         cleanup(model, device)
         return row
+    except Exception as e:  # keep the run (and the other implementations' rows) going
+        row.update(status=f"error: {type(e).__name__}: {str(e)[:160]}", secs=round(time.perf_counter() - t0, 1))
+        cleanup(model, device)
+        return row
     dt = time.perf_counter() - t0
     row.update(status="ok", secs=round(dt, 1), loss=round(loss, 4))
     if device.type == "cuda":
@@ -227,10 +237,9 @@ def measure(model, impl, L, args, device, opt=False):
         tok_s = L / dt
         row["tok_s"] = round(tok_s)
         row["MFU"] = f"{100 * model_flops_per_token(model, L) * tok_s / PEAK_FLOPS:.1f}%"
-    if mgr is not None:
-        mgr.release_pool()
-        _host_empty_cache()
     if opt:
+        if mgr is not None:
+            mgr.release_pool()  # the optimizer's host states need that memory
         opt_row = optimizer_step(model, device)
         row.update(opt_row)
     cleanup(model, device)
@@ -246,17 +255,28 @@ def optimizer_step(model, device):
     try:
         optim.step()
         _sync(device)
-    except torch.OutOfMemoryError:
-        return dict(opt_status="OOM")
-    res = dict(opt_status="ok", opt_secs=round(time.perf_counter() - t0, 1),
-               opt_host_GiB=round(optim.host_bytes() / GiB, 1))
-    if device.type == "cuda":
-        res["opt_peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
-    res["opt_pinned"] = optim.pinned
+        res = dict(opt_status="ok", opt_secs=round(time.perf_counter() - t0, 1),
+                   opt_host_GiB=round(optim.host_bytes() / GiB, 1), opt_pinned=optim.pinned)
+        if device.type == "cuda":
+            res["opt_peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
+    except Exception as e:  # OOM (GPU or host pinning) must not end the run
+        res = dict(opt_status=f"{type(e).__name__}: {str(e)[:120]}")
+    optim.close()
     del optim
     gc.collect()
-    _host_empty_cache()  # pinned states came from torch's caching host allocator: give them back
     return res
+
+
+def predict_secs(points, L):
+    """Step time at L from measured (length, secs): t = a·L + b·L² through the last two points (linear
+    layers + causal attention), a, b >= 0; one point: scale quadratically (pessimistic)."""
+    if len(points) == 1:
+        (l1, t1), = points
+        return t1 * (L / l1) ** 2
+    (l1, t1), (l2, t2) = points[-2:]
+    b = max(0.0, (t2 / l2 - t1 / l1) / (l2 - l1))
+    a = max(0.0, t2 / l2 - b * l2)
+    return a * L + b * L * L
 
 
 def fit_slope(rows):
@@ -338,12 +358,12 @@ def main():
 
     for impl, L in plan:
         if impl in dead:
-            rows.append(dict(impl=impl, L=L, status="skipped (OOM at a shorter length)"))
+            rows.append(dict(impl=impl, L=L, status="skipped (failed at a shorter length)"))
             continue
-        prev = last.get(impl) or last.get("ours")
+        pts = last.get(impl) or last.get("ours") or []
         opt = L == args.opt_length and impl == "ours"
-        if prev is not None:
-            pred = prev[1] * (L / prev[0]) ** 2 + (45 if opt else 0)
+        if pts:
+            pred = predict_secs(pts, L) + (45 if opt else 0)
             if pred > left() and not args.tiny:
                 rows.append(dict(impl=impl, L=L, status=f"skipped (time: ~{pred:.0f}s > {left():.0f}s left)"))
                 print(rows[-1], flush=True)
@@ -352,10 +372,10 @@ def main():
         rows.append(row)
         print(row, flush=True)
         save()
-        if row["status"] == "OOM":
+        if row["status"] != "ok":
             dead.add(impl)
         else:
-            last[impl] = (L, row["secs"])
+            last.setdefault(impl, []).append((L, row["secs"]))
 
     # memory probes: the largest length that fits, within what is left of the budget
     ours_ok = [r for r in rows if r["impl"] == "ours" and r.get("status") == "ok"]

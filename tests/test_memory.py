@@ -196,10 +196,14 @@ def test_every_option_is_exact_single_process():
         assert_close(loss, ref_loss, REL, f"{tag} loss")
         for name, g in grads.items():
             assert_close(g, ref_grads[name], REL, f"{tag} grad {name}")
-    # a second step with the offload manager reused (pinned/host buffers recycled) is still exact
+    # host chunks smaller than a layer input (and not a multiple of the element size), reused over
+    # two steps: still exact
+    from easy_context.memory.offload import HostPool
+    model._easy_context_host_pool = HostPool(chunk_bytes=1000)
     configure_memory(model, "offload", offload_every_k=2, tiled_mlp=3)
     for _ in range(2):
         loss, grads = _our_step(model, ids, pos, tgt)
+    assert model._easy_context_host_pool.nbytes() >= 2 * 24 * 64 * 4  # chunks came back to the pool
     assert_close(loss, ref_loss, REL, "repeat loss")
     for name, g in grads.items():
         assert_close(g, ref_grads[name], REL, f"repeat grad {name}")
@@ -240,7 +244,7 @@ def _available_modes():
 def _sp_body(rank, world_size, plan):
     """plan: [(mode, configs)]; the first mode also runs the case where only rank 0 has valid targets."""
     ref = build_model("llama", num_hidden_layers=4)
-    seq = 32
+    seq, checked = 32, 0
     for mask in ("random", "one_rank"):
         if mask == "one_rank":  # every valid target on rank 0's tokens: rank 1's loss is 0, not NaN
             valid = torch.zeros(2, seq, dtype=torch.bool)
@@ -255,6 +259,8 @@ def _sp_body(rank, world_size, plan):
             model = apply_seq_parallel_monkey_patch(mode, copy.deepcopy(ref))
             p = prepare_seq_parallel_inputs(mode, ids, pos, tgt, rank, world_size, torch.device("cpu"))
             _run_configs(model, mode, mask, p, configs, rank, world_size, ref_loss, ref_grads)
+            checked += len(configs)
+    assert checked == sum(len(c) for _, c in plan) + len(plan[0][1]), checked
 
 
 def _run_configs(model, mode, mask, p, configs, rank, world_size, ref_loss, ref_grads):
@@ -324,3 +330,28 @@ def test_options_under_deepspeed_zero3_w2():
     """Partitioned lm_head / MLP weights are gathered through module hooks (first run JIT-builds ~20 s)."""
     pytest.importorskip("deepspeed")
     run_ranks(_zero3_body, world_size=2, timeout=300)
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: side-stream offload copies, registered host chunks, prefetch
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_offload_on_cuda_matches_layer_checkpointing():
+    from easy_context.memory.offload import HostPool
+    ref = build_model("llama", num_hidden_layers=5, hidden_size=256, intermediate_size=512).cuda()
+    model = copy.deepcopy(ref)
+    ids, pos, tgt = (t.cuda() for t in make_batch(1, 2048, ref.config.vocab_size, labels_mask="random"))
+    configure_memory(ref, "layer")
+    ref_loss, ref_grads = _our_step(ref, ids, pos, tgt)
+    model._easy_context_host_pool = HostPool(chunk_bytes=1_000_003)  # several chunks per layer input
+    for cfg in [("offload", 1, False), ("offload", 2, 4, False, True), ("nested", 3, "auto", False, True)]:
+        _configure(model, *cfg)
+        for _ in range(2):  # the second step reuses the pinned chunks
+            loss, grads = _our_step(model, ids, pos, tgt)
+        assert_close(loss, ref_loss, 1e-4, f"[cuda {cfg}] loss")  # GPU reductions are not bit-stable
+        for name, g in grads.items():
+            assert_close(g, ref_grads[name], 1e-4, f"[cuda {cfg}] grad {name}")
+    pool = model._easy_context_host_pool
+    assert pool.nbytes() > 0
+    pool.release()
+    assert pool.nbytes() == 0 and not pool.registered

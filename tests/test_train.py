@@ -138,7 +138,6 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
 # ---------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_bad_inputs_fail_early_with_one_line(toy, tmp_path):
-    import datasets
     nocol = tmp_path / "nocol.jsonl"
     nocol.write_text("".join(json.dumps({"text": "hello world"}) + "\n" for _ in range(4)))
     base = ["--model", toy["model"], "--dataset", toy["data"], "--output-dir", str(tmp_path / "o"),
@@ -150,7 +149,6 @@ def test_bad_inputs_fail_early_with_one_line(toy, tmp_path):
         "not divisible": (["--seq-length", "127"], "multiple of 2"),
         "missing model": (["--model", "/nonexistent/model", "--seq-length", "128"], "does not exist"),
     }
-    del datasets
     for name, (extra, needle) in cases.items():
         p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *base, *extra], cwd=ROOT, env=_env(),
                            capture_output=True, text=True, timeout=120)
@@ -164,7 +162,8 @@ def test_bad_inputs_fail_early_with_one_line(toy, tmp_path):
 @pytest.mark.slow
 def test_zigzag_equals_single_process_and_lr_is_flag(toy, reference, tmp_path):
     out = tmp_path / "zz"
-    _ok(run_train(2, out, "zigzag_ring_attn", ["--save-rope-theta", "1e9"]))
+    _ok(run_train(2, out, "zigzag_ring_attn", ["--save-rope-theta", "1e9", "--chunked-loss", "--checkpointing",
+                                               "selective"]))
     got = losses(out)
     assert len(got) == STEPS and all(abs(a - b) <= 1e-4 for a, b in zip(got, reference)), (got, reference)
     assert got[-1] < got[0] - 0.3, got  # learnable toy corpus
@@ -194,11 +193,17 @@ def _available_sp_modes():
     return modes
 
 
+# each mode also carries memory options (exact, so the curve must still match): hook points exercised
+# under DeepSpeed ZeRO-3 without extra launches
+MEMORY_FLAGS = {"ulysses_attn": ["--chunked-loss", "--tiled-mlp"], "usp_attn": ["--checkpointing", "offload"],
+                "dist_flash_attn": ["--checkpointing", "none"]}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", _available_sp_modes())
 def test_other_sp_modes_equal_single_process(toy, reference, tmp_path, mode):
     out = tmp_path / mode
-    _ok(run_train(2, out, mode, ["--no-save-model"]))
+    _ok(run_train(2, out, mode, ["--no-save-model", *MEMORY_FLAGS.get(mode, [])]))
     got = losses(out)
     assert all(abs(a - b) <= 1e-4 for a, b in zip(got, reference)) and len(got) == STEPS, (got, reference)
 
@@ -244,3 +249,41 @@ def test_sigkill_and_resume_give_the_same_losses(toy, reference, tmp_path):
     assert "step-0000004" in p.stdout + p.stderr
     got = losses(out)
     assert len(got) == STEPS and all(abs(a - b) <= 1e-4 for a, b in zip(got, reference)), (got, reference)
+
+
+def _dry_run(script):
+    import shlex
+
+    from easy_context.training.args import build_parser
+    p = subprocess.run(["bash", os.path.join(ROOT, "train_scripts", script)], cwd=ROOT, capture_output=True,
+                       text=True, env=_env(DRY_RUN="1"), timeout=60)
+    assert p.returncode == 0, p.stderr
+    cmds = [shlex.split(ln) for ln in p.stdout.splitlines() if ln.startswith("accelerate launch")]
+    return [build_parser().parse_args(c[c.index("train.py") + 1:]) for c in cmds]
+
+
+def test_llama_1m_recipe_is_the_stage_table():
+    stages = _dry_run("EasyContext-1M-Llama-2-7B.sh")
+    table = [(32768, 1e6, 1000, 2e-5, 4, "data_parallel"), (65536, 5e6, 1000, 2e-5, 2, "data_parallel"),
+             (256000, 1e7, 500, 2e-5, 4, "zigzag_ring_attn"), (256000, 2.5e7, 500, 2e-5, 4, "zigzag_ring_attn"),
+             (256000, 5e7, 150, 2e-5, 4, "zigzag_ring_attn"), (512000, 1e8, 300, 2e-5, 2, "zigzag_ring_attn"),
+             (512000, 2.5e8, 90, 1e-5, 2, "zigzag_ring_attn")]
+    got = [(a.seq_length, a.rope_theta, a.max_train_steps, a.learning_rate, a.gradient_accumulate_every,
+            a.parallel_mode) for a in stages]
+    assert got == table
+    assert stages[0].model == "meta-llama/Llama-2-7b-hf"
+    assert all(b.model == a.output_dir for a, b in zip(stages, stages[1:]))  # each stage from the last
+    assert stages[-1].save_rope_theta == 1e9 and all(a.save_rope_theta is None for a in stages[:-1])
+    for a in stages:  # ~1M tokens per optimizer step on 8 GPUs
+        dp = 8 if a.parallel_mode == "data_parallel" else 1
+        assert 1.0e6 <= a.batch_size * a.gradient_accumulate_every * a.seq_length * dp <= 1.1e6
+        assert a.seq_length % 16 == 0 and a.resume
+
+
+def test_danube_recipe_tokens_per_step():
+    stages = _dry_run("EasyContext-256K-danube2.sh")
+    assert [a.seq_length for a in stages] == [16000, 32000, 32000, 64000, 64000, 64000, 128000, 128000, 256000]
+    assert [a.rope_theta for a in stages] == [3e4, 1e5, 3e5, 1e6, 2.5e6, 5e6, 1e7, 3e7, 1e8]
+    for a in stages:
+        dp = 8 if a.parallel_mode == "data_parallel" else 1
+        assert 1.0e6 <= a.batch_size * a.gradient_accumulate_every * a.seq_length * dp <= 1.1e6

@@ -20,6 +20,7 @@
 # | final: stage 7 saved with rope theta 1e9                                                              |
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# DRY_RUN=1 prints the commands instead of running them.
 
 # Point these at local copies if you have them (save_to_disk dirs or json/parquet files work too).
 MODEL=${MODEL:-meta-llama/Llama-2-7b-hf}
@@ -38,11 +39,11 @@ stage() {
   shift 10
   if [ -f "$out/config.json" ]; then echo "== $out is done, skipping"; return; fi
   echo "== $out: seq $seq, rope theta $theta, $steps steps, lr $lr, $mode"
-  accelerate launch --config_file "$CONFIG" train.py \
+  ${DRY_RUN:+echo} accelerate launch --config_file "$CONFIG" train.py \
     --batch-size 1 --gradient-accumulate-every "$ga" --output-dir "$out" --wandb "$WANDB" --seed "$seed" \
     --max-train-steps "$steps" --learning-rate "$lr" --rope-theta "$theta" --model "$init" --dataset "$data" \
     --seq-length "$seq" --parallel_mode "$mode" --checkpoint-every "$CKPT_EVERY" --resume "$@"
-  rm -rf "$out/checkpoints"  # the final model is in $out; checkpoints only matter while a stage runs
+  ${DRY_RUN:+echo} rm -rf "$out/checkpoints"  # the final model is in $out; checkpoints only matter while a stage runs
 }
 
 S1=$OUT/7B_32K_bs_1M_rope_1M_step_1000_lr_2e-5

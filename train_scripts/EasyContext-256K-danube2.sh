@@ -19,6 +19,7 @@
 # | 9 | 256,000 | 1e8        | 200   | 1  | zigzag_ring_attn | DATA_1M   | 2032 |
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# DRY_RUN=1 prints the commands instead of running them.
 
 MODEL=${MODEL:-h2oai/h2o-danube2-1.8b-base}
 DATA_128K=${DATA_128K:-PY007/slimpajama_mistral_tokenized_upsample_4096_chunk_128K}
@@ -34,11 +35,11 @@ stage() {
   local out=$1 init=$2 seq=$3 theta=$4 steps=$5 bs=$6 mode=$7 data=$8 seed=$9
   if [ -f "$out/config.json" ]; then echo "== $out is done, skipping"; return; fi
   echo "== $out: seq $seq, rope theta $theta, $steps steps, bs $bs, $mode"
-  accelerate launch --config_file "$CONFIG" train.py \
+  ${DRY_RUN:+echo} accelerate launch --config_file "$CONFIG" train.py \
     --batch-size "$bs" --gradient-accumulate-every 4 --output-dir "$out" --wandb "$WANDB" --seed "$seed" \
     --max-train-steps "$steps" --learning-rate 2e-5 --rope-theta "$theta" --model "$init" --dataset "$data" \
     --seq-length "$seq" --parallel_mode "$mode" --checkpoint-every "$CKPT_EVERY" --resume
-  rm -rf "$out/checkpoints"
+  ${DRY_RUN:+echo} rm -rf "$out/checkpoints"
 }
 
 D=$OUT/danube2

@@ -5,8 +5,9 @@ layers) on the GPU until backward. ``CheckpointOffload`` is a checkpoint functio
 own gradient checkpointing (``GradientCheckpointingLayer._gradient_checkpointing_func``; no forward is
 copied) that
 
-* runs the layer without autograd and copies its input to pinned host memory on a side CUDA stream
-  (the copy overlaps the next layer's compute; ``record_stream`` keeps the GPU block alive until it is done);
+* runs the layer without autograd and copies its input to page-locked host chunks (``HostPool``, reused
+  across steps and lengths) on a side CUDA stream: the copy overlaps the next layer's compute, and
+  ``record_stream`` keeps the GPU block alive until it is done;
 * in backward, copies the input back and starts the copy for the previous checkpoint before recomputing
   this layer (prefetch: the H2D copy overlaps the current layer's recompute + backward);
 * with ``every_k > 1`` keeps (offloads) only every k-th layer input: when the last layer of a group of k
@@ -17,7 +18,8 @@ copied) that
 Backward is reentrant-style (like ``use_reentrant=True`` and DeepSpeed's activation checkpointing): the
 layer is recomputed with autograd on and ``torch.autograd.backward`` accumulates the parameter gradients,
 which is what ZeRO-3's per-module gather hooks expect. RNG state and autocast are replayed, so dropout
-masks match. On CPU tensors "offload" is a copy: the same code path, exact results.
+masks match. On CPU tensors "offload" is the same chunked copy without streams: exact results.
+(Memory cost of a layer's backward = its own recompute working set, see tiled_mlp.py and norm.py.)
 """
 from __future__ import annotations
 
@@ -59,57 +61,124 @@ class _Restore:
         return self.ctx.__exit__(*exc)
 
 
+class HostPool:
+    """Fixed-size page-locked host chunks, reused across steps and sequence lengths.
+
+    A kept layer input is stored as ``ceil(bytes / chunk_bytes)`` chunks, so one pool serves every length
+    without re-pinning (pinning tens of GB takes seconds). Chunks are page-locked with cudaHostRegister
+    on ordinary host memory rather than taken from torch's caching host allocator, so ``release()`` really
+    returns them to the OS. Without CUDA the chunks are plain host memory (the CPU path stays exact).
+    """
+
+    def __init__(self, chunk_bytes: int = 64 << 20):
+        self.chunk_bytes = int(chunk_bytes)
+        self.free: list[torch.Tensor] = []
+        self.registered: dict[int, torch.Tensor] = {}
+        self.streams: list = []  # side streams whose copies may touch chunks (synchronised on release)
+
+    def _new(self) -> torch.Tensor:
+        buf = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+        if not torch.cuda.is_available():
+            return buf
+        try:
+            ok = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), self.chunk_bytes, 0)) == 0
+        except Exception:
+            ok = False
+        if not ok:
+            return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        self.registered[buf.data_ptr()] = buf
+        return buf
+
+    def take(self, nbytes: int) -> list:
+        n = -(-nbytes // self.chunk_bytes)
+        return [self.free.pop() if self.free else self._new() for _ in range(n)]
+
+    def give(self, chunks: list):
+        self.free.extend(chunks)
+
+    def reserve(self, total_bytes: int):
+        """Have at least ``total_bytes`` of free chunks (pin ahead of time, off the clock)."""
+        need = -(-int(total_bytes) // self.chunk_bytes) - len(self.free)
+        self.free.extend(self._new() for _ in range(max(0, need)))
+
+    def release(self):
+        """Unpin and free every free chunk."""
+        for st in self.streams:
+            st.synchronize()  # no copy may still read or write a chunk we unpin
+        for b in self.free:
+            if self.registered.pop(b.data_ptr(), None) is not None:
+                torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
+        self.free = []
+
+    def nbytes(self) -> int:
+        return len(self.free) * self.chunk_bytes
+
+
 class _Stash:
-    """One kept layer input: on the GPU, or copied to (pinned) host memory and prefetched back."""
+    """One kept layer input: on the GPU, or copied in chunks to (pinned) host memory and prefetched back."""
 
     def __init__(self, mgr: "CheckpointOffload", x: torch.Tensor, offload: bool):
         self.mgr, self.shape, self.dtype, self.device = mgr, x.shape, x.dtype, x.device
-        self.gpu = self.host = self.buf = self.ev = None
+        self.gpu = self.chunks = self.ev = None
         x = x.detach()
         if not offload:
             self.gpu = x
-        elif x.device.type != "cuda":
-            self.host = x.clone()  # CPU run: a plain copy, so the path is exercised and exact
-        else:
-            stream = mgr.stream(x.device)
-            self.buf = mgr.pinned(x.numel() * x.element_size())
-            self.host = self.buf[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-            stream.wait_stream(torch.cuda.current_stream(x.device))  # x is fully written
-            with torch.cuda.stream(stream):
-                self.host.copy_(x, non_blocking=True)
-            x.record_stream(stream)  # the allocator may not reuse x's block before the copy ends
-            self.ev = torch.cuda.Event()
-            self.ev.record(stream)
+            return
+        flat = x.contiguous().reshape(-1).view(torch.uint8)
+        self.nbytes = flat.numel()
+        self.chunks = mgr.pool.take(self.nbytes)
+        if x.device.type != "cuda":  # CPU run: the same chunked copy, synchronous (exact)
+            for off, c in self._pieces():
+                n = min(self.mgr.pool.chunk_bytes, self.nbytes - off)
+                c[:n].copy_(flat[off: off + n])
+            return
+        stream = mgr.stream(x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))  # x is fully written
+        with torch.cuda.stream(stream):
+            for off, c in self._pieces():
+                n = min(self.mgr.pool.chunk_bytes, self.nbytes - off)
+                c[:n].copy_(flat[off: off + n], non_blocking=True)
+        flat.record_stream(stream)  # the allocator may not reuse x's block before the copy ends
+        self.ev = torch.cuda.Event()
+        self.ev.record(stream)
+
+    def _pieces(self):
+        return [(i * self.mgr.pool.chunk_bytes, c) for i, c in enumerate(self.chunks)]
+
+    def _upload(self, out, non_blocking: bool):
+        for off, c in self._pieces():
+            n = min(self.mgr.pool.chunk_bytes, self.nbytes - off)
+            out[off: off + n].copy_(c[:n], non_blocking=non_blocking)
+        return out.view(self.dtype).view(self.shape)
 
     def prefetch(self):
         """Start the H2D copy on the side stream (no-op if kept on GPU / on CPU / already started)."""
-        if self.gpu is not None or self.host is None or self.device.type != "cuda":
+        if self.gpu is not None or self.chunks is None or self.device.type != "cuda":
             return
-        main = torch.cuda.current_stream(self.device)
         stream = self.mgr.stream(self.device)
-        self.gpu = torch.empty(self.shape, dtype=self.dtype, device=self.device)  # allocated on main
-        stream.wait_stream(main)
+        out = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)  # on the main stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the block is free to overwrite
         with torch.cuda.stream(stream):
-            self.gpu.copy_(self.host, non_blocking=True)
+            self.gpu = self._upload(out, non_blocking=True)
         self.ev = torch.cuda.Event()
         self.ev.record(stream)
 
     def get(self) -> torch.Tensor:
-        if self.host is not None and self.device.type != "cuda":
-            x, self.host = self.host, None
-            return x
-        self.prefetch()
-        if self.ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ev)
-        x = self.gpu
+        if self.chunks is not None and self.device.type != "cuda":
+            x = self._upload(torch.empty(self.nbytes, dtype=torch.uint8), non_blocking=False)
+        else:
+            self.prefetch()
+            if self.ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.ev)
+            x = self.gpu
         self.release()
         return x
 
     def release(self):
-        if self.buf is not None:
-            # the H2D copy that read the buffer is ordered before any later side-stream write
-            self.mgr.give_back(self.buf)
-        self.gpu = self.host = self.buf = None
+        if self.chunks is not None:
+            # a later write to these chunks is a D2H on the same side stream, ordered after this H2D
+            self.mgr.pool.give(self.chunks)
+        self.gpu = self.chunks = None
 
 
 class _Group:
@@ -183,13 +252,12 @@ class CheckpointOffload:
     every_k: keep one input per k layers (nested recompute of the others).
     """
 
-    def __init__(self, offload: bool = True, every_k: int = 1):
+    def __init__(self, offload: bool = True, every_k: int = 1, pool: HostPool | None = None):
         if int(every_k) < 1:
             raise ValueError(f"every_k must be >= 1, got {every_k}")
         self.offload, self.every_k = bool(offload), int(every_k)
+        self.pool = pool if pool is not None else HostPool()
         self._streams: dict = {}
-        self._pool: dict[int, list] = {}
-        self._registered: dict[int, torch.Tensor] = {}
         self._order: list[_Group] = []  # groups of the current forward, in order (for prefetch)
         self._open: _Group | None = None
 
@@ -198,46 +266,16 @@ class CheckpointOffload:
         key = torch.device(device).index
         if key not in self._streams:
             self._streams[key] = torch.cuda.Stream(device)
+            self.pool.streams.append(self._streams[key])
         return self._streams[key]
 
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        free = self._pool.get(nbytes)
-        if free:
-            return free.pop()
-        return self._new_pinned(nbytes)
-
-    def _new_pinned(self, nbytes: int) -> torch.Tensor:
-        # Page-lock ordinary host memory ourselves (cudaHostRegister) instead of torch's caching host
-        # allocator, so release_pool() really returns it to the OS: tens of GB per length otherwise stay
-        # cached for the life of the process.
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        try:
-            ok = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0
-        except Exception:
-            ok = False
-        if not ok:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self._registered[buf.data_ptr()] = buf
-        return buf
-
-    def give_back(self, buf: torch.Tensor):
-        self._pool.setdefault(buf.numel(), []).append(buf)
-
-    def reserve(self, count: int, nbytes: int):
-        """Pin ``count`` host buffers of ``nbytes`` ahead of time (pinning is slow; do it off the clock)."""
-        have = len(self._pool.get(nbytes, []))
-        for _ in range(count - have):
-            self.give_back(self._new_pinned(nbytes))
+    def reserve(self, nbytes: int):
+        """Pin host chunks for ``nbytes`` of kept inputs ahead of time (pinning is slow)."""
+        self.pool.reserve(nbytes)
 
     def release_pool(self):
-        """Free the cached pinned buffers (between runs of different lengths, to cap host memory)."""
-        for s in self._streams.values():
-            s.synchronize()  # no copy may still read or write a buffer we unpin
-        for bufs in self._pool.values():
-            for b in bufs:
-                if self._registered.pop(b.data_ptr(), None) is not None:
-                    torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
-        self._pool.clear()
+        """Unpin and free the idle host chunks (e.g. before a step that needs the host memory)."""
+        self.pool.release()
 
     # -- the checkpoint function -------------------------------------------------------------------
     def layer_function(self, layer_idx: int):
@@ -282,11 +320,19 @@ class CheckpointOffload:
         self._order = self._order[:i]  # consumed; drop references
 
 
-def enable_checkpoint_offload(model, offload: bool = True, every_k: int = 1) -> CheckpointOffload:
-    """Turn on per-layer checkpointing of ``model`` with offloaded / every-k kept inputs."""
+def enable_checkpoint_offload(model, offload: bool = True, every_k: int = 1,
+                              pool: HostPool | None = None) -> CheckpointOffload:
+    """Turn on per-layer checkpointing of ``model`` with offloaded / every-k kept inputs.
+
+    The host pool is kept on the model (``model._easy_context_host_pool``) and reused when the options are
+    changed again, so pinned memory is not re-pinned per configuration or length.
+    """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    mgr = CheckpointOffload(offload=offload, every_k=every_k)
+    if pool is None:
+        pool = model.__dict__.get("_easy_context_host_pool") or HostPool()
+    model._easy_context_host_pool = pool
+    mgr = CheckpointOffload(offload=offload, every_k=every_k, pool=pool)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no GradientCheckpointingLayer (transformers >= 4.52 "
@@ -298,4 +344,4 @@ def enable_checkpoint_offload(model, offload: bool = True, every_k: int = 1) -> 
     return mgr
 
 
-__all__ = ["CheckpointOffload", "enable_checkpoint_offload"]
+__all__ = ["CheckpointOffload", "HostPool", "enable_checkpoint_offload"]

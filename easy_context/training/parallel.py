@@ -36,15 +36,22 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
 def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool) -> torch.Tensor:
     """Forward + summed next-token NLL (fp32) of this rank's tokens; -100 targets are skipped.
 
-    ``chunked``: LM head + loss chunk by chunk (easy_context.memory), never the (tokens x vocab) logits.
-    It calls the base model and head of ``unwrapped`` directly: fine under DeepSpeed ZeRO-3 (module hooks
-    gather the weights) and in one process; not under DDP, whose forward it would bypass.
+    ``chunked``: the LM head computes the loss chunk by chunk (``easy_context.memory.chunked_lm_loss``)
+    and never the (tokens x vocab) logits. It runs *as the head's forward inside the wrapped model's
+    forward*, so DeepSpeed's engine forward and ZeRO-3's module hooks (weight gather for forward and
+    backward) see an ordinary call; the model then returns the NLL sum in place of its logits.
     """
     if chunked:
-        from easy_context.memory import lm_head_loss
+        from easy_context.memory import chunked_lm_loss
 
-        out = unwrapped.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return lm_head_loss(unwrapped.get_output_embeddings(), out.last_hidden_state, targets)[0]
+        head = unwrapped.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("--chunked-loss needs a bias-free LM head")
+        head.forward = lambda hidden: chunked_lm_loss(hidden, head.weight, targets)[0]
+        try:
+            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        finally:
+            del head.forward
     from easy_context.loss import token_nll_sum
 
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
