@@ -109,3 +109,30 @@ def run_ranks(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
     if missing:
         raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
                            "(deadlock or mismatched collectives?)")
+
+
+def run_threads(world_size: int, fn_per_rank, tls) -> list:
+    """Run ``fn_per_rank(r)`` on ``world_size`` threads (``tls.rank = r`` in each) and return the results.
+
+    For single-device simulations of a ring, where the communication functions are replaced by in-process
+    queues keyed by ``tls.rank``. A failing thread is re-raised with its rank.
+    """
+    import threading
+
+    results, errors = [None] * world_size, []
+
+    def run(r):
+        tls.rank = r
+        try:
+            results[r] = fn_per_rank(r)
+        except BaseException as e:  # surfaced below with the rank
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise AssertionError(f"simulated rank {errors[0][0]} failed") from errors[0][1]
+    return results

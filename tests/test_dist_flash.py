@@ -17,7 +17,7 @@ from easy_context import kernels
 from easy_context.dist_flash_attn import dist_flash_attn_func
 from easy_context.dist_flash_attn.schedule import (Block, block_plan, check_world_size, input_messages,
                                                    num_steps, result_messages, work_counts)
-from tests.harness import run_ranks
+from tests.harness import run_ranks, run_threads
 from tests.tols import assert_close
 
 # (batch, local length, q heads, kv heads, head_dim, dtype, backend)
@@ -281,25 +281,10 @@ def simulated_ranks(world, fn_per_rank):
 
     saved = A.p2p_exchange, A.group_rank_world
     A.p2p_exchange, A.group_rank_world = p2p, (lambda group=None: (tls.rank, world))
-    results, errors = [None] * world, []
-
-    def run(r):
-        tls.rank = r
-        try:
-            results[r] = fn_per_rank(r)
-        except BaseException as e:  # surfaced below with the rank
-            errors.append((r, e))
-
     try:
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        results = run_threads(world, fn_per_rank, tls)
     finally:
         A.p2p_exchange, A.group_rank_world = saved
-    if errors:
-        raise AssertionError(f"simulated rank {errors[0][0]} failed") from errors[0][1]
     return results
 
 

@@ -15,7 +15,7 @@ from easy_context import kernels
 from easy_context.sharding import zigzag_shard, zigzag_unshard
 from easy_context.zigzag_ring_attn import (block_plan, global_chunks, zigzag_ring_attn_func,
                                            zigzag_ring_forward)
-from tests.harness import run_ranks
+from tests.harness import run_ranks, run_threads
 from tests.tols import assert_close
 
 # (batch, seq_len_global_per_2W_chunk c, q heads, kv heads, head_dim, dtype, backend)
@@ -267,25 +267,10 @@ def simulated_ring(world, fn_per_rank):
     saved = A.RingComm, A.group_rank_world
     A.RingComm = lambda group=None: _ThreadRing(hub, tls.rank, world)
     A.group_rank_world = lambda group=None: (tls.rank, world)
-    results, errors = [None] * world, []
-
-    def run(r):
-        tls.rank = r
-        try:
-            results[r] = fn_per_rank(r)
-        except BaseException as e:  # surfaced below with the rank
-            errors.append((r, e))
-
     try:
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        results = run_threads(world, fn_per_rank, tls)
     finally:
         A.RingComm, A.group_rank_world = saved
-    if errors:
-        raise AssertionError(f"simulated rank {errors[0][0]} failed") from errors[0][1]
     return results, hub["sent_shapes"]
 
 
