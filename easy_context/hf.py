@@ -91,12 +91,17 @@ def make_attention_fn(seq_algo: str, **groups):
 
 
 def _sp_size(algo, groups) -> int:
+    """Ranks one sequence is spread over: the product of the bound groups (None alone = the world)."""
     import torch.distributed as dist
     if not dist.is_initialized():
         return 1
+    given = [groups.get(name) for name in algo.group_kwargs]
+    if all(g is None for g in given):
+        return dist.get_world_size()
     size = 1
-    for name in algo.group_kwargs:
-        size *= dist.get_world_size(groups.get(name))
+    for g in given:
+        if g is not None:
+            size *= dist.get_world_size(g)
     return size
 
 
