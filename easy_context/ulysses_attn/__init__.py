@@ -14,3 +14,6 @@ def ulysses_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, g
 
 
 __all__ = ["ulysses_attn_func", "ulysses_forward", "ulysses_backward", "UlyssesAttnFunc", "largest_valid_degree"]
+
+
+ulysses_attn_func.supports_attention_cache = True  # lean selective checkpointing (memory/selective.py)

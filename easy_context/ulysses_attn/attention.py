@@ -121,15 +121,33 @@ def reduce_kv_grad(dk, rep: int):
 # ----------------------------------------------------------------------------------------------
 # forward / backward / autograd.Function
 # ----------------------------------------------------------------------------------------------
-def ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group=None):
-    """Returns out (B, S/W, Hq, D) and what the backward needs (head-sharded q/k/v/out and lse)."""
-    # 1. one all-to-all: sequence shards of q/k/v -> this rank's heads over the full sequence
-    qh, kh, vh = seq_to_heads([q, replicate_kv(k, rep), replicate_kv(v, rep)], world, group)
-    # 2. ordinary full-sequence attention on those heads (the kernel facade picks the backend)
-    outh, lse = kernels.attn_forward(qh, kh, vh, causal=causal, softmax_scale=softmax_scale)
+def head_parallel_forward(q, k, v, rep, world, group, attend):
+    """Ulysses around ``attend(qh, kh, vh) -> (outh, lse)``; returns out and what the backward needs.
+
+    Selective checkpointing (memory/selective.py) keeps only (outh, lse): in the layer's recomputation the
+    recomputed q/k/v are re-sharded (one all-to-all) but ``attend`` — the expensive, possibly ring-
+    distributed attention — is not run again.
+    """
+    from ..memory.selective import cached_attention  # lazy: keeps the memory package off the import path
+    fresh = []
+
+    def compute():
+        # 1. one all-to-all: sequence shards of q/k/v -> this rank's heads over the full sequence
+        fresh.append(seq_to_heads([q, replicate_kv(k, rep), replicate_kv(v, rep)], world, group))
+        # 2. full-sequence attention on those heads
+        return attend(*fresh[0])
+
+    outh, lse = cached_attention(compute)
+    qkv = fresh[0] if fresh else seq_to_heads([q, replicate_kv(k, rep), replicate_kv(v, rep)], world, group)
     # 3. back to sequence shards
     (out,) = heads_to_seq([outh], world, group)
-    return out, (qh, kh, vh, outh, lse)
+    return out, (*qkv, outh, lse)
+
+
+def ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group=None):
+    """Returns out (B, S/W, Hq, D) and what the backward needs (head-sharded q/k/v/out and lse)."""
+    return head_parallel_forward(q, k, v, rep, world, group, lambda qh, kh, vh: kernels.attn_forward(
+        qh, kh, vh, causal=causal, softmax_scale=softmax_scale))
 
 
 def ulysses_backward(dout, saved, causal, softmax_scale, rep, world, group=None):

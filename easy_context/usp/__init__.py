@@ -14,3 +14,6 @@ def usp_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, ring_
 
 
 __all__ = ["usp_attn_func", "usp_forward", "usp_backward", "UspAttnFunc"]
+
+
+usp_attn_func.supports_attention_cache = True  # lean selective checkpointing (memory/selective.py)

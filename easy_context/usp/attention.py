@@ -20,7 +20,7 @@ import torch
 
 from ..comm import group_rank_world
 from ..ulysses_attn.attention import check_inputs as check_ulysses, heads_to_seq, reduce_kv_grad
-from ..ulysses_attn.attention import replicate_kv, seq_to_heads
+from ..ulysses_attn.attention import head_parallel_forward, seq_to_heads
 from ..zigzag_ring_attn.attention import zigzag_ring_backward, zigzag_ring_forward
 
 _NO_ULYSSES = None  # with U == 1 the all-to-alls are skipped, so the group is never used
@@ -48,13 +48,10 @@ def check_inputs(q, k, v, dropout_p, causal, ring: int, ulysses: int) -> int:
 
 
 def usp_forward(q, k, v, softmax_scale, rep, ring_group, ulysses, ulysses_group):
-    # 1. one all-to-all: (B, S/(RU), H, D) -> this ring rank's zigzag pair (B, S/R, H/U, D)
-    qh, kh, vh = seq_to_heads([q, replicate_kv(k, rep), replicate_kv(v, rep)], ulysses, ulysses_group)
-    # 2. zigzag ring attention over the ring group on those heads
-    outh, lse = zigzag_ring_forward(qh, kh, vh, softmax_scale, ring_group)
-    # 3. back to the sp rank's sequence shard
-    (out,) = heads_to_seq([outh], ulysses, ulysses_group)
-    return out, (qh, kh, vh, outh, lse)
+    # all-to-all (B, S/(RU), H, D) -> this ring rank's zigzag pair (B, S/R, H/U, D), the zigzag ring over the
+    # ring group on those heads, all-to-all back (selective-checkpoint aware: the ring is never rerun)
+    return head_parallel_forward(q, k, v, rep, ulysses, ulysses_group, lambda qh, kh, vh: zigzag_ring_forward(
+        qh, kh, vh, softmax_scale, ring_group))
 
 
 def usp_backward(dout, saved, softmax_scale, rep, ring_group, ulysses, ulysses_group):
