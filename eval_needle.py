@@ -21,7 +21,6 @@ import argparse
 import csv
 import os
 import random
-import sys
 
 import torch
 import torch.distributed as dist
@@ -189,17 +188,9 @@ def main(argv=None):
         print(f"Average Accuracy: {acc}")
         print(f"wrote {csv_path}")
     engine.close()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
     return rows
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"eval_needle.py: error: {e}", file=sys.stderr)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(2)
+    from easy_context.cli import run_cli
+    run_cli(main, "eval_needle.py")

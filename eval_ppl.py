@@ -22,7 +22,6 @@ import gc
 import math
 import os
 import random
-import sys
 
 import torch
 import torch.distributed as dist
@@ -217,17 +216,9 @@ def main(argv=None):
                 for name, ppls in results.items():
                     w.writerow([name] + ppls)
             print(f"wrote {args.output_file}")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
     return results
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"eval_ppl.py: error: {e}", file=sys.stderr)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(2)
+    from easy_context.cli import run_cli
+    run_cli(main, "eval_ppl.py")

@@ -173,7 +173,7 @@ def _patch_family(seq_algo, family, groups):
 
 
 def _patch_instance(seq_algo, model, groups):
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     family = getattr(model.config, "model_type", None)
@@ -194,7 +194,6 @@ def _patch_instance(seq_algo, model, groups):
         _check_mask(kwargs.get("attention_mask"))
         return None
     AttentionMaskInterface.register(name, mask_fn)
-    del ALL_MASK_ATTENTION_FUNCTIONS  # registered class-wide; the import only proves the API exists
     if not hasattr(model, "_easy_context_prev_attn"):
         model._easy_context_prev_attn = model.config._attn_implementation
     model.set_attn_implementation(name)

@@ -113,7 +113,7 @@ def _sp_group(groups):
 
 def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batch=2, layout_kw=None,
                             groups=None, labels_mask=None, *, patch="instance", sp_group=None,
-                            rel=1e-5, seed=0, model_kw=None):
+                            rel=1e-5, seed=0, model_kw=None, prepare_sp_model=None):
     """Assert that ``seq_algo`` on this sp group reproduces single-process logits, loss and grads.
 
     rank/world_size: this process in the world (used only for messages; sp rank/size come from the sp
@@ -121,7 +121,8 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
     kwargs for ``apply_seq_parallel_monkey_patch`` (``{"group": g}`` or usp's ring/ulysses groups).
     sp_group: the group over which the sequence is split and grads are summed (default: ``groups["group"]``,
     else the world). labels_mask: None | "random" | "one_rank" (every valid label on sp rank 0) | a bool
-    (batch, seq_len) tensor of valid positions. patch: "instance" (patch the model object) or "family"
+    (batch, seq_len) tensor of valid positions. prepare_sp_model: called with the patched sequence-parallel model (not the
+    reference) before it runs. patch: "instance" (patch the model object) or "family"
     (patch the family string, build the model after, restore with "data_parallel" at the end).
     """
     layout_kw = dict(layout_kw or {})
@@ -155,6 +156,8 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
             assert out is sp_model
         else:
             raise ValueError(f"patch must be 'instance' or 'family', got {patch!r}")
+        if prepare_sp_model is not None:  # e.g. checkpointing options on the SP model only
+            prepare_sp_model(sp_model)
 
         prepared = prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, sp_rank, sp_size,
                                                torch.device("cpu"), **layout_kw)

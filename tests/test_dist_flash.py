@@ -196,35 +196,17 @@ def test_kernel_matches_full_causal_attention(world):
 # ----------------------------------------------------------------------------------------------
 # model level: tiny HF models, logits / loss / every grad equal the single-process model
 # ----------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def selective_sp_models():
-    """Make check_model_equivalence's sequence-parallel model (not the reference) selective-checkpointed."""
-    import tests.model_equiv as me
-    from easy_context.memory.selective import enable_selective_checkpointing
-    orig = me.apply_seq_parallel_monkey_patch
-
-    def patch(seq_algo, model, **kw):
-        out = orig(seq_algo, model, **kw)
-        if not isinstance(model, str):
-            enable_selective_checkpointing(model)
-        return out
-    me.apply_seq_parallel_monkey_patch = patch
-    try:
-        yield
-    finally:
-        me.apply_seq_parallel_monkey_patch = orig
-
-
 def _model_body(rank, world_size):
     from tests.model_equiv import check_model_equivalence
     n = 8 * world_size
     for family in ("llama", "mistral", "qwen2"):
         check_model_equivalence(rank, world_size, "dist_flash_attn", family, seq_len=n)
     check_model_equivalence(rank, world_size, "dist_flash_attn", "llama", seq_len=n, labels_mask="one_rank")
-    with selective_sp_models():
-        for family in ("llama", "qwen2"):
-            check_model_equivalence(rank, world_size, "dist_flash_attn", family, seq_len=n)
-        check_model_equivalence(rank, world_size, "dist_flash_attn", "llama", seq_len=n, labels_mask="random")
+    from easy_context.memory.selective import enable_selective_checkpointing as selective
+    for family in ("llama", "qwen2"):
+        check_model_equivalence(rank, world_size, "dist_flash_attn", family, seq_len=n, prepare_sp_model=selective)
+    check_model_equivalence(rank, world_size, "dist_flash_attn", "llama", seq_len=n, labels_mask="random",
+                            prepare_sp_model=selective)
     if world_size == 2:  # the family-string patch path, restored with "data_parallel" afterwards
         check_model_equivalence(rank, world_size, "dist_flash_attn", "llama", seq_len=16, patch="family")
     _inference_logits(rank, world_size, n)

@@ -60,20 +60,8 @@ def tiny(tmp_path_factory):
     return build_tiny(str(tmp_path_factory.mktemp("tiny") / "model"))
 
 
-def existing_sp_modes() -> list[str]:
-    """Sequence-parallel modes whose attention function imports (others are still being written)."""
-    from easy_context import SEQ_ALGOS
-    from easy_context.registry import get_algo
-    out = []
-    for m in SEQ_ALGOS:
-        if m == "data_parallel":
-            continue
-        try:
-            get_algo(m).attention_fn()
-            out.append(m)
-        except (ImportError, AttributeError):
-            pass
-    return out
+# every sequence-parallel mode (data_parallel is the single-process path the tests compare against)
+SP_MODES = ["zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,12 +278,12 @@ def _sp_body(rank, world, model_dir, modes):
 
 
 def test_sp_modes_equal_single_process_w2(tiny):
-    run_ranks(_sp_body, 2, args=(tiny, existing_sp_modes()), timeout=180)
+    run_ranks(_sp_body, 2, args=(tiny, SP_MODES), timeout=180)
 
 
 @pytest.mark.slow
 def test_sp_modes_equal_single_process_w4(tiny):
-    run_ranks(_sp_body, 4, args=(tiny, existing_sp_modes()), timeout=300)
+    run_ranks(_sp_body, 4, args=(tiny, SP_MODES), timeout=300)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,7 +306,7 @@ def test_scripts_end_to_end(tiny, tmp_path):
     from easy_context.haystack import filler_text
     from easy_context.inference import SeqParallelLM, load_model
 
-    mode = "zigzag_ring_attn" if "zigzag_ring_attn" in existing_sp_modes() else "data_parallel"
+    mode = "zigzag_ring_attn"
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": filler_text(15 + 5 * i, seed=i)}) + "\n" for i in range(2)))
     out_csv = tmp_path / "ppl" / "ppl.csv"

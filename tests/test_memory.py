@@ -7,7 +7,6 @@ sequence-parallel mode that is available.
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -25,20 +24,11 @@ from tests.tols import assert_close
 REL = 1e-5
 
 
-def _selective_available() -> bool:
-    try:
-        importlib.import_module("easy_context.memory.selective")
-        return True
-    except ImportError:
-        return False
-
-
 # (checkpointing, offload_every_k, tiled_mlp, selective, lean_norm): alone and combined
 CONFIGS = [("none", 1, False), ("layer", 1, False), ("offload", 1, False), ("offload", 3, False),
            ("nested", 2, False), ("none", 1, 3), ("layer", 1, 4), ("none", 1, False, False, True),
-           ("offload", 2, 5, False, True), ("nested", 3, True, False, True)]
-if _selective_available():
-    CONFIGS += [("selective", 1, False), ("selective", 1, 3), ("offload", 2, 3, True, True)]
+           ("offload", 2, 5, False, True), ("nested", 3, True, False, True),
+           ("selective", 1, False), ("selective", 1, 3), ("offload", 2, 3, True, True)]
 
 
 def _configure(model, ck, k, tiles, selective=False, lean=False):
@@ -227,20 +217,6 @@ def test_offload_replays_dropout_exactly():
 # --------------------------------------------------------------------------------------------------
 # W=2, every available sequence-parallel mode
 # --------------------------------------------------------------------------------------------------
-def _available_modes():
-    modes = []
-    for mode, mod, fn in (("zigzag_ring_attn", "easy_context.zigzag_ring_attn", "zigzag_ring_attn_func"),
-                          ("ulysses_attn", "easy_context.ulysses_attn", "ulysses_attn_func"),
-                          ("dist_flash_attn", "easy_context.dist_flash_attn", "dist_flash_attn_func"),
-                          ("usp_attn", "easy_context.usp", "usp_attn_func")):
-        try:
-            getattr(importlib.import_module(mod), fn)
-            modes.append(mode)
-        except (ImportError, AttributeError):
-            pass
-    return modes
-
-
 def _sp_body(rank, world_size, plan):
     """plan: [(mode, configs)]; the first mode also runs the case where only rank 0 has valid targets."""
     ref = build_model("llama", num_hidden_layers=4)
@@ -278,11 +254,7 @@ def _run_configs(model, mode, mask, p, configs, rank, world_size, ref_loss, ref_
 
 
 def test_every_option_is_exact_with_sequence_parallel_w2():
-    modes = _available_modes()
-    if "zigzag_ring_attn" not in modes:
-        pytest.skip("zigzag_ring_attn not available yet")
-    modes.remove("zigzag_ring_attn")
-    modes.insert(0, "zigzag_ring_attn")
+    modes = ["zigzag_ring_attn", "ulysses_attn", "dist_flash_attn", "usp_attn"]
     # zigzag gets every config; the other modes combined ones (each option is mode-agnostic code)
     combined = [("offload", 2, 3, False, True), ("layer", 1, True)]
     plan = [("zigzag_ring_attn", CONFIGS)] + [(m, combined) for m in modes[1:]]
@@ -328,7 +300,6 @@ def _zero3_body(rank, world_size):
 @pytest.mark.slow
 def test_options_under_deepspeed_zero3_w2():
     """Partitioned lm_head / MLP weights are gathered through module hooks (first run JIT-builds ~20 s)."""
-    pytest.importorskip("deepspeed")
     run_ranks(_zero3_body, world_size=2, timeout=300)
 
 

@@ -111,24 +111,6 @@ def test_enable_disable_and_eval():
 # ----------------------------------------------------------------------------------------------
 # multi-rank: every sequence-parallel mode, communication counted
 # ----------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def sp_checkpointing(kind):
-    """Give check_model_equivalence's sequence-parallel model (not its reference) checkpointing ``kind``."""
-    import tests.model_equiv as me
-    orig = me.apply_seq_parallel_monkey_patch
-
-    def patch(seq_algo, model, **kw):
-        out = orig(seq_algo, model, **kw)
-        if not isinstance(model, str):
-            _set_checkpointing(model, kind)
-        return out
-    me.apply_seq_parallel_monkey_patch = patch
-    try:
-        yield
-    finally:
-        me.apply_seq_parallel_monkey_patch = orig
-
-
 def _comm_counts(rank, world_size, seq_algo, family, kind):
     """Run the model-equivalence check with checkpointing ``kind``; return the P2P/all-to-all call counts."""
     import easy_context.dist_flash_attn.attention as A
@@ -141,21 +123,15 @@ def _comm_counts(rank, world_size, seq_algo, family, kind):
         st.enter_context(counting(dist, "all_to_all_single", counts, "a2a"))
         st.enter_context(counting(A, "dist_flash_attn_forward", counts, "dist_flash_forward"))
         st.enter_context(counting(kernels, "attn_forward", counts, "kernel_fwd"))
-        st.enter_context(sp_checkpointing(kind))
         check_model_equivalence(rank, world_size, seq_algo, family, seq_len=8 * world_size,
-                                labels_mask="random")
+                                labels_mask="random", prepare_sp_model=lambda m: _set_checkpointing(m, kind))
     return counts
 
 
 def _multi_rank_body(rank, world_size):
-    from easy_context.registry import get_algo
     layers = 2
     ran = []
     for seq_algo in ("dist_flash_attn", "zigzag_ring_attn", "ulysses_attn"):  # all three take the lean path
-        try:
-            get_algo(seq_algo).attention_fn()
-        except (ImportError, AttributeError):  # a mode not built yet in this checkout
-            continue
         ran.append(seq_algo)
         none = _comm_counts(rank, world_size, seq_algo, "llama", "none")
         layer = _comm_counts(rank, world_size, seq_algo, "llama", "layer")
@@ -171,15 +147,19 @@ def _multi_rank_body(rank, world_size):
         if seq_algo == "dist_flash_attn":
             assert none["dist_flash_forward"] == layers and layer["dist_flash_forward"] == 2 * layers
     assert ran[0] == "dist_flash_attn" and len(ran) >= 2, ran
-    with sp_checkpointing("selective"):  # another family through the lean path
-        from tests.model_equiv import check_model_equivalence
-        check_model_equivalence(rank, world_size, "dist_flash_attn", "qwen2", seq_len=8 * world_size)
-        # usp (ring 1 x ulysses 2): the all-to-all around a ring, lean as well
-        from easy_context.parallel_layout import ParallelLayout
-        lay = ParallelLayout.build("usp_attn", ring_degree=1)
-        check_model_equivalence(rank, world_size, "usp_attn", "llama", seq_len=8 * world_size,
-                                groups=lay.attn_groups("usp_attn"), layout_kw={"ring_degree": 1},
-                                labels_mask="random")
+    from easy_context.parallel_layout import ParallelLayout
+    from tests.model_equiv import check_model_equivalence
+
+    def selective(m):
+        _set_checkpointing(m, "selective")
+    # another family through the lean path
+    check_model_equivalence(rank, world_size, "dist_flash_attn", "qwen2", seq_len=8 * world_size,
+                            prepare_sp_model=selective)
+    # usp (ring 1 x ulysses 2): the all-to-all around a ring, lean as well
+    lay = ParallelLayout.build("usp_attn", ring_degree=1)
+    check_model_equivalence(rank, world_size, "usp_attn", "llama", seq_len=8 * world_size,
+                            groups=lay.attn_groups("usp_attn"), layout_kw={"ring_degree": 1},
+                            labels_mask="random", prepare_sp_model=selective)
 
 
 def test_sequence_parallel_modes_two_ranks():

@@ -181,18 +181,6 @@ def test_zigzag_equals_single_process_and_lr_is_flag(toy, reference, tmp_path):
     AutoTokenizer.from_pretrained(str(out))
 
 
-def _available_sp_modes():
-    modes = []
-    for mode in ("ulysses_attn", "usp_attn", "dist_flash_attn"):
-        try:
-            from easy_context.registry import get_algo
-            get_algo(mode).attention_fn()
-            modes.append(mode)
-        except (ImportError, AttributeError):
-            pass
-    return modes
-
-
 # each mode also carries memory options (exact, so the curve must still match): hook points exercised
 # under DeepSpeed ZeRO-3 without extra launches
 MEMORY_FLAGS = {"ulysses_attn": ["--chunked-loss", "--tiled-mlp"], "usp_attn": ["--checkpointing", "offload"],
@@ -200,7 +188,7 @@ MEMORY_FLAGS = {"ulysses_attn": ["--chunked-loss", "--tiled-mlp"], "usp_attn": [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", _available_sp_modes())
+@pytest.mark.parametrize("mode", ["ulysses_attn", "usp_attn", "dist_flash_attn"])
 def test_other_sp_modes_equal_single_process(toy, reference, tmp_path, mode):
     out = tmp_path / mode
     _ok(run_train(2, out, mode, ["--no-save-model", *MEMORY_FLAGS.get(mode, [])]))
