@@ -5,7 +5,7 @@
 
 hf:      transformers SDPA + per-layer gradient checkpointing + ``model(labels=...)`` (full fp32 logits).
 ours:    EasyContext at W=1 (zigzag_ring_attn -> kernel facade, cuDNN on Hopper) + chunked LM head/loss +
-         tiled MLP + lean RMSNorm + checkpoint offload (layer inputs in pinned host memory, copies
+         tiled MLP + lean fused RMSNorm + fused RoPE + checkpoint offload (layer inputs in pinned host memory, copies
          overlapped; one kept per k layers when the host budget --host-gib is short).
 ours-off: EasyContext at W=1 with every memory option off (layer checkpointing, HF logits + loss): the
          reference for "no more than 10% tokens/s lost at 128K".
@@ -58,7 +58,9 @@ def keep_every_k(model, L, host_gib):
 def configure(model, impl, L, args):
     from easy_context import apply_seq_parallel_monkey_patch
     from easy_context.memory import configure_memory
+    from easy_context.ops import apply_fused_ops, remove_fused_ops
     _restore_attention(model)
+    remove_fused_ops(model)
     if impl == "hf":
         apply_seq_parallel_monkey_patch("data_parallel", model)
         return configure_memory(model, "layer")
@@ -70,6 +72,8 @@ def configure(model, impl, L, args):
     cfg = configure_memory(model, args.checkpointing, offload_every_k=k,
                            tiled_mlp="auto" if args.tiles == "auto" else int(args.tiles),
                            selective=args.selective, lean_norm=not args.no_lean_norm)
+    if not args.no_fused_rope:
+        apply_fused_ops(model, norms=False, rope=True)
     if impl == "probe":
         _block_attention(model, args.probe_block)
     return cfg
@@ -312,7 +316,8 @@ def main():
                     help="pinned host memory for the probes (no optimizer states are held then)")
     ap.add_argument("--tiles", default="auto", help="tiled MLP: 'auto' (~hidden_size tokens/tile) or a count")
     ap.add_argument("--selective", action="store_true", help="ours also keeps attention outputs (faster)")
-    ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean RMSNorm")
+    ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean (fused) RMSNorm")
+    ap.add_argument("--no-fused-rope", action="store_true", help="ours with HF's RoPE instead of the fused one")
     ap.add_argument("--budget-s", type=float, default=510.0, help="whole-run wall-clock budget (seconds)")
     ap.add_argument("--tiny", action="store_true", help="tiny config; runs on CPU (code-path check)")
     args = ap.parse_args()

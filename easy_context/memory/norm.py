@@ -4,8 +4,10 @@ HF's RMSNorm runs in fp32 and autograd keeps the fp32 upcast of its input (16 KB
 normalised bf16 tensor (8 KB/token): 24 KB/token per norm, two norms per decoder layer, inside the
 recompute working set that bounds memory per token once layer inputs are offloaded. This Function keeps
 only the input (in its own dtype, usually already kept by the caller) and the fp32 inverse RMS (4 bytes
-per token), and recomputes the normalised values in backward. Forward values are bit-identical to HF's
-(same ops in the same order); gradients equal to rounding (fp32 math, fp32 weight-gradient reduction).
+per token), and recomputes the normalised values in backward (``easy_context.ops.rms_norm``: one fused
+kernel each way on CUDA, row chunks in eager mode, so the backward has no fp32 temporaries of the whole
+sequence either). Eager forward values are bit-identical to HF's (same ops in the same order); the fused
+kernel and the gradients agree to rounding (fp32 math, fp32 weight-gradient reduction).
 
 Attached by swapping the norm instance's class for a dynamic subclass (parameter names unchanged), only
 for the known HF classes whose forward is ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)``.
@@ -15,32 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.rms_norm import RMSNormFunction
+
 KNOWN = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-
-
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x32 = x.float()
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        y = weight * (x32 * rstd).to(x.dtype)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        x32 = x.float()
-        n_in = (x32 * rstd).to(x.dtype)  # the forward's normalised tensor, recomputed exactly
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dims = tuple(range(dy.dim() - weight.dim()))
-            dw = (dy.float() * n_in.float()).sum(dim=dims).to(weight.dtype)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dn = (dy * weight).to(x.dtype).float()  # as autograd: grad of n_in in its dtype, then fp32
-            dx = (rstd * dn - x32 * rstd.pow(3) * (dn * x32).mean(-1, keepdim=True)).to(x.dtype)
-        return dx, dw, None
 
 
 class LeanRMSNormMixin:

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--offload-every-k", type=int, default=1, help="offload/nested: keep one layer input per k layers")
     a("--chunked-loss", action="store_true", help="LM head + loss in chunks, never materializing full logits")
     a("--tiled-mlp", action="store_true", help="run MLPs tile by tile along the sequence")
+    a("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
+      help="lean fused RMSNorm + fused RoPE (torch.compile kernels on CUDA; exact eager math on CPU)")
     return p
 
 

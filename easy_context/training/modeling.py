@@ -75,12 +75,15 @@ def no_decay_names(model) -> set:
 
 
 def apply_memory_options(model, args) -> None:
-    """--checkpointing / --tiled-mlp through easy_context.memory (--chunked-loss acts in the loss)."""
+    """--checkpointing / --tiled-mlp / --fused-ops (--chunked-loss acts in the loss)."""
     from easy_context.memory import configure_memory
+    from easy_context.ops import apply_fused_ops
 
     try:
         configure_memory(model, checkpointing=args.checkpointing, offload_every_k=args.offload_every_k,
-                         tiled_mlp=args.tiled_mlp)
+                         tiled_mlp=args.tiled_mlp, lean_norm=args.fused_ops)
+        if args.fused_ops:
+            apply_fused_ops(model, norms=False, rope=True)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
