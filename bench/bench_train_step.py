@@ -29,12 +29,16 @@ PEAK = 989e12
 def configure(model, which, tiled):
     from easy_context import apply_seq_parallel_monkey_patch
     from easy_context.memory import configure_memory
+    from easy_context.ops import apply_fused_ops, remove_fused_ops
+    remove_fused_ops(model)
     if which == "baseline":
         apply_seq_parallel_monkey_patch("data_parallel", model)
         configure_memory(model, checkpointing="layer", tiled_mlp=False)
     else:
         apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
         configure_memory(model, checkpointing="selective", tiled_mlp=tiled)
+        if which == "ours":
+            apply_fused_ops(model)  # fused lean RMSNorm + fused RoPE ("ours-unfused": HF's)
 
 
 def step_fn(model, which, L, device):
@@ -72,9 +76,10 @@ def measure(model, which, L, steps, device, tiled=False, warmup=1):
 
 
 def layer_split(model, L, device):
-    """Per-layer fwd+bwd time of ours' pieces at length L, timed in isolation."""
+    """Per-layer fwd+bwd time of ours' pieces at length L, timed in isolation (HF's norm/RoPE beside)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     from easy_context import kernels
+    from easy_context.ops import RMSNormFunction, fused_rope
     layer = model.model.layers[0]
     c = model.config
     h = torch.randn(1, L, c.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -98,18 +103,57 @@ def layer_split(model, L, device):
         return a.o_proj(x)
 
     cos, sin = model.model.rotary_emb(h, torch.arange(L, device=device).unsqueeze(0))
-    qr = q.transpose(1, 2).detach().requires_grad_()
-    parts = {
+    qr = q.transpose(1, 2).detach().requires_grad_()  # HF layout: (B, H, L, D) view of (B, L, H, D)
+    kr = torch.randn_like(q).transpose(1, 2).requires_grad_()
+    gq = torch.randn_like(q).transpose(1, 2)
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+
+    def rope(fn):
+        def run():
+            torch.autograd.backward(fn(qr, kr, cos, sin), (gq, gq))
+        return run
+    fused_norms = fb(lambda: RMSNormFunction.apply(h, n1.weight, n1.variance_epsilon)
+                     + RMSNormFunction.apply(h, n2.weight, n2.variance_epsilon))
+    parts = {  # ours' pieces (counted in the total), then HF's versions of the fused ones (not counted)
         "attention (cuDNN fwd+bwd)": attn,
         "MLP": fb(lambda: layer.mlp(h)),
-        "norms (2x RMSNorm)": fb(lambda: layer.input_layernorm(h) + layer.post_attention_layernorm(h)),
+        "norms (2x fused lean RMSNorm)": fused_norms,
         "q/k/v/o projections": fb(proj),
-        "RoPE": fb(lambda: apply_rotary_pos_emb(qr, qr, cos, sin)[0].sum()),
+        "RoPE (fused, q and k)": rope(fused_rope),
     }
-    times = {k: cuda_time_ms(f, 1, 3) for k, f in parts.items()}
-    total = sum(times.values())
-    rows = [dict(part=k, ms=f"{t:.1f}", share=f"{100 * t / total:.1f}%") for k, t in times.items()]
+    hf_parts = {"HF norms (2x RMSNorm, eager)": fb(lambda: n1(h) + n2(h)),
+                "HF RoPE (eager, q and k)": rope(apply_rotary_pos_emb)}
+    times = {k: cuda_time_ms(f, 1, 3) for k, f in {**parts, **hf_parts}.items()}
+    total = sum(times[k] for k in parts)
+    rows = [dict(part=k, ms=f"{t:.1f}", share=f"{100 * t / total:.1f}%" if k in parts else "(reference)")
+            for k, t in times.items()]
     rows.append(dict(part="comm (one GPU)", ms="0.0", share="0.0%"))
+    return rows
+
+
+def check_fused(model, L, device):
+    """The compiled kernels against the eager reference path (bf16 inputs; fp64 math as the judge)."""
+    from easy_context.ops import rms_norm, rope
+    g = torch.Generator(device=device).manual_seed(0)
+    d, nh = model.config.hidden_size, model.config.num_attention_heads
+    x = torch.randn(L, d, device=device, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(d, device=device, dtype=torch.bfloat16, generator=g)
+    dy = torch.randn_like(x)
+    q = torch.randn(1, L, nh, d // nh, device=device, dtype=torch.bfloat16, generator=g)
+    cos, sin = (torch.randn(1, L, 1, d // nh, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cases = {"rmsnorm fwd": lambda f: f(x, w, 1e-5)[0], "rmsnorm bwd dx": lambda f: f(dy, x, w, rms_norm._forward(
+        x, w, 1e-5)[1])[0], "rope fwd": lambda f: f(q, cos, sin), "rope bwd": lambda f: f(q, cos, sin)}
+    fns = {"rmsnorm fwd": rms_norm._forward_fused, "rmsnorm bwd dx": rms_norm._backward_fused,
+           "rope fwd": rope._rope_fused, "rope bwd": rope._rope_grad_fused}
+    rows = []
+    for name, case in cases.items():
+        fast = fns[name]
+        fn = fast.eager
+        fused, eager = case(fast), case(fn)
+        ref = case(lambda *a: fn(*(t.double() if torch.is_tensor(t) else t for t in a)))
+        err = lambda t: ((t.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+        rows.append(dict(op=name, fused_rel_err=f"{err(fused):.2e}", eager_rel_err=f"{err(eager):.2e}"))
+        assert err(fused) <= 2 * err(eager) + 1e-3, rows[-1]
     return rows
 
 
@@ -147,6 +191,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per point")
     ap.add_argument("--tiled", action="store_true", help="also run ours with the tiled MLP")
     ap.add_argument("--tiny", action="store_true", help="tiny config (code-path smoke test)")
+    ap.add_argument("--unfused", action="store_true", help="also run ours without the fused norm/RoPE")
     args = ap.parse_args()
     if args.tiny and not torch.cuda.is_available():
         return cpu_smoke()
@@ -156,9 +201,11 @@ def main():
     model = build_model(llama7b_config(args.tiny), device)
     print(env_line(), f"| params {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B", flush=True)
     rows = []
+    fused_rows = check_fused(model, args.lengths[-1], device)
+    print(table(fused_rows, ["op", "fused_rel_err", "eager_rel_err"]), flush=True)
     for L in args.lengths:
         pair = {}
-        for which in ("baseline", "ours"):
+        for which in ("baseline", "ours") + (("ours-unfused",) if args.unfused else ()):
             r = measure(model, which, L, args.steps, device, warmup=args.warmup)
             pair[which] = r
             rows.append(r)
@@ -176,7 +223,7 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_train_step.json"), "w") as f:
             json.dump(dict(env=env_line(), rows=[{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
-                           split=split), f, indent=1)
+                           split=split, fused_check=fused_rows), f, indent=1)
 
 
 if __name__ == "__main__":

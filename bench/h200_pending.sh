@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The H200 measurements still owed by open issues (#8, #9, and #3's 512K row), packed into two device calls
 # of < 10 minutes each (the device image has torch + transformers only; PYTHONPATH=. is enough):
-#   bash bench/h200_pending.sh 1   # ring sim at 512K (W=2,4,8) + train step 16K..128K with a warm-up (~8 min)
-#   bash bench/h200_pending.sh 2   # memory: hf vs ours vs ours-off up to 256K + one optimizer step (~8.5 min)
+#   bash bench/h200_pending.sh 1   # train step 16K..128K with a warm-up, fused-op check, layer split (~7 min)
+#   bash bench/h200_pending.sh 2   # ring sim at 512K (W=2,4,8) + memory: hf vs ours vs ours-off (~9 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp}
 case "${1:-1}" in
   1)
-    python3 bench/bench_ring_sim.py --lengths 524288 --worlds 2 4 8 --modes zigzag --iters 1 2>&1 | tee "$OUT/ring_sim_512k.log" | tail -6
-    python3 bench/bench_train_step.py --lengths 16384 32768 65536 131072 --steps 1 --warmup 1 2>&1 | grep -v Warn | tee "$OUT/train_step.log" | tail -22
+    python3 bench/bench_train_step.py --lengths 16384 32768 65536 131072 --steps 1 --warmup 1 2>&1 | grep -v Warn | tee "$OUT/train_step.log" | tail -32
     ;;
   2)
-    python3 bench/bench_memory.py --budget-s 500 2>&1 | grep -v Warn | tee "$OUT/memory.log" | tail -24
+    python3 bench/bench_ring_sim.py --lengths 524288 --worlds 2 4 8 --modes zigzag --iters 1 2>&1 | tee "$OUT/ring_sim_512k.log" | tail -6
+    python3 bench/bench_memory.py --budget-s 390 2>&1 | grep -v Warn | tee "$OUT/memory.log" | tail -24
     ;;
   *) echo "usage: $0 1|2" >&2; exit 2 ;;
 esac
