@@ -121,7 +121,9 @@ def layer_split(model, L, device):
         "q/k/v/o projections": fb(proj),
         "RoPE (fused, q and k)": rope(fused_rope),
     }
-    hf_parts = {"HF norms (2x RMSNorm, eager)": fb(lambda: n1(h) + n2(h)),
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    hf1, hf2 = (LlamaRMSNorm(c.hidden_size).to(device, torch.bfloat16) for _ in range(2))  # HF's own class
+    hf_parts = {"HF norms (2x RMSNorm, eager)": fb(lambda: hf1(h) + hf2(h)),
                 "HF RoPE (eager, q and k)": rope(apply_rotary_pos_emb)}
     times = {k: cuda_time_ms(f, 1, 3) for k, f in {**parts, **hf_parts}.items()}
     total = sum(times[k] for k in parts)
