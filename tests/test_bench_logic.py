@@ -19,3 +19,23 @@ def test_train_step_bench_paths_agree_on_cpu():
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "cpu smoke" in r.stdout
+
+
+def test_storage_census_counts_live_bytes_at_the_peak():
+    """bench/trace_memory.py's census: views are free, freed storages leave, the peak's live set is kept."""
+    import torch
+    from bench.trace_memory import StorageCensus
+    w = torch.zeros(1000)  # exists before: a view of it costs nothing
+    with StorageCensus(known=[w.untyped_storage().data_ptr()]) as c:
+        a = torch.ones(256)             # 1024 B
+        b = a.view(16, 16).t()          # view: no new storage
+        tmp = torch.ones(512) * 2       # ones (2048 B, freed at once) + mul (2048 B)
+        del tmp
+        v = w[:10] + 0                  # 40 B
+        big = torch.empty(0)            # zero bytes are not tracked
+        del a, b
+        after = sum(x[1] for x in c.live.values() if not x[0].expired())
+    assert c.peak == 1024 + 2048 + 2048, c.peak
+    assert sorted(n for _, n, _ in c.at_peak) == [1024, 2048, 2048]
+    assert after == 40, after  # only v is still alive
+    del v, big
