@@ -29,6 +29,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from .ops.compiled import compiled
+
 aten = torch.ops.aten
 
 BACKENDS = ("cudnn", "flash", "efficient", "flash_attn", "cpu", "math")
@@ -331,6 +333,16 @@ def attn_backward(dout, q, k, v, out, lse, causal: bool = True, softmax_scale: f
     return _BACKWARD[choose_backend(q, backend)](dout, q, k, v, out, lse, causal, scale)
 
 
+def _merge(out, lse_bl, block_out, blk):
+    w = torch.sigmoid(blk - lse_bl)
+    new_out = out - w * (out - block_out.to(out.dtype))
+    new_lse = torch.maximum(lse_bl, blk) + F.softplus(-(lse_bl - blk).abs())
+    return new_out, torch.where(torch.isneginf(lse_bl), blk, new_lse)
+
+
+_merge_fused = compiled(_merge)  # one kernel on CUDA instead of ~8 passes with fp32 temporaries
+
+
 def merge_attn_out(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
                    block_lse: torch.Tensor) -> None:
     """Fold a block's ``(block_out, block_lse)`` into the float32 accumulators ``(out, lse)`` in place.
@@ -339,14 +351,13 @@ def merge_attn_out(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
       lse' = lse - logsigmoid(lse - block_lse),  out' = out - sigmoid(block_lse - lse) * (out - block_out)
     which never exponentiates a large positive number (the form ring-flash-attention adopted in its
     PR #34 discussion of LSE overflow); ``lse = -inf`` (no keys seen yet) takes the block as is.
+    The math is one fused kernel on CUDA (``ops.compiled``); the results are copied into the accumulators.
     """
     lse_bl = lse.transpose(1, 2).unsqueeze(-1)           # (B, L, H, 1) view onto lse
     blk = block_lse.transpose(1, 2).unsqueeze(-1).to(lse.dtype)
-    w = torch.sigmoid(blk - lse_bl)
-    out.sub_(w * (out - block_out.to(out.dtype)))
-    new = torch.maximum(lse_bl, blk) + F.softplus(-(lse_bl - blk).abs())
-    new = torch.where(torch.isneginf(lse_bl), blk, new)
-    lse_bl.copy_(new)
+    new_out, new_lse = _merge_fused(out, lse_bl, block_out, blk)
+    out.copy_(new_out)
+    lse_bl.copy_(new_lse)
 
 
 def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None):
