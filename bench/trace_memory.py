@@ -51,10 +51,16 @@ class StorageCensus(TorchDispatchMode):
                 if st.nbytes() and ptr not in self.known and (old is None or old[0].expired()):
                     self.live[ptr] = (StorageWeakRef(st), st.nbytes(), self._origin(func))
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        total = sum(v[1] for v in self.live.values())
+        sizes = {k: _nbytes(v[0]) for k, v in self.live.items()}  # now: a storage may have been resized
+        total = sum(sizes.values())
         if total > self.peak:
-            self.peak, self.at_peak = total, [(k, v[1], v[2]) for k, v in self.live.items()]
+            self.peak, self.at_peak = total, [(k, sizes[k], v[2]) for k, v in self.live.items() if sizes[k]]
         return out
+
+
+def _nbytes(ref: StorageWeakRef) -> int:
+    st = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    return st.nbytes()
 
 
 def _module_hooks(model, census: StorageCensus):

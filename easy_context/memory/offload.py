@@ -241,8 +241,17 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         with torch.enable_grad():
             h = x.detach().requires_grad_(True)
             out = ctx.call.replay(h)
+        _drop_values(out)
         torch.autograd.backward(out, grad_out)
         return None, None, None, h.grad, None
+
+
+def _drop_values(out: torch.Tensor) -> None:
+    """Free the recomputed layer output's memory before its backward (one hidden state per token): only
+    its graph is needed. Only when the last op is a residual add, whose backward reads no values."""
+    fn = out.grad_fn
+    if fn is not None and type(fn).__name__ == "AddBackward0" and out._base is None:
+        out.untyped_storage().resize_(0)
 
 
 class CheckpointOffload:
