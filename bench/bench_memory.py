@@ -198,7 +198,7 @@ def fwd_bwd(model, impl, L, device):
     else:
         loss = causal_lm_loss(model, inp, pos, tgt)
     loss.backward()
-    return float(loss)
+    return float(loss.detach())
 
 
 def cleanup(model, device):
