@@ -17,6 +17,7 @@ from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_i
 from easy_context.memory import (causal_lm_loss, chunked_lm_loss, configure_memory, lm_head_loss, tile_mlp,
                                  untile_mlp)
 from easy_context.memory.chunked_loss import ChunkedLMLoss
+from easy_context.ops import apply_fused_ops, remove_fused_ops
 from tests.harness import run_ranks
 from tests.model_equiv import build_model, make_batch, reference_step
 from tests.tols import assert_close
@@ -24,15 +25,20 @@ from tests.tols import assert_close
 REL = 1e-5
 
 
-# (checkpointing, offload_every_k, tiled_mlp, selective, lean_norm): alone and combined
+# (checkpointing, offload_every_k, tiled_mlp, selective, fused): alone and combined; fused = lean RMSNorm +
+# fused RoPE (easy_context.ops), so those are checked in every mode at W=2 and under ZeRO-3 too
 CONFIGS = [("none", 1, False), ("layer", 1, False), ("offload", 1, False), ("offload", 3, False),
            ("nested", 2, False), ("none", 1, 3), ("layer", 1, 4), ("none", 1, False, False, True),
            ("offload", 2, 5, False, True), ("nested", 3, True, False, True),
            ("selective", 1, False), ("selective", 1, 3), ("offload", 2, 3, True, True)]
 
 
-def _configure(model, ck, k, tiles, selective=False, lean=False):
-    return configure_memory(model, ck, offload_every_k=k, tiled_mlp=tiles, selective=selective, lean_norm=lean)
+def _configure(model, ck, k, tiles, selective=False, fused=False):
+    remove_fused_ops(model)
+    cfg = configure_memory(model, ck, offload_every_k=k, tiled_mlp=tiles, selective=selective, lean_norm=fused)
+    if fused:
+        assert apply_fused_ops(model, norms=False, rope=True)["rope"] == model.config.num_hidden_layers
+    return cfg
 
 
 # --------------------------------------------------------------------------------------------------
