@@ -29,7 +29,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from .ops.compiled import compiled
+from .ops.jit import compiled
 
 aten = torch.ops.aten
 
@@ -351,7 +351,7 @@ def merge_attn_out(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
       lse' = lse - logsigmoid(lse - block_lse),  out' = out - sigmoid(block_lse - lse) * (out - block_out)
     which never exponentiates a large positive number (the form ring-flash-attention adopted in its
     PR #34 discussion of LSE overflow); ``lse = -inf`` (no keys seen yet) takes the block as is.
-    The math is one fused kernel on CUDA (``ops.compiled``); the results are copied into the accumulators.
+    The math is one fused kernel on CUDA (``ops.jit.compiled``); the results are copied into the accumulators.
     """
     lse_bl = lse.transpose(1, 2).unsqueeze(-1)           # (B, L, H, 1) view onto lse
     blk = block_lse.transpose(1, 2).unsqueeze(-1).to(lse.dtype)

@@ -122,3 +122,27 @@ def test_fused_rope_refuses_a_different_rope(monkeypatch):
     other = type("GPT2Attention", (torch.nn.Module,), {})
     with pytest.raises(ValueError, match="fused RoPE supports"):
         fuse_rope(other())
+
+
+def test_compiled_falls_back_to_eager_once_with_a_warning(monkeypatch):
+    """A compile failure at the first CUDA call warns once and the eager function is used from then on."""
+    from easy_context.ops import jit as compiled_mod
+    calls = []
+
+    def broken_compile(fn, **kw):
+        def run(*a):
+            calls.append("compiled")
+            raise RuntimeError("no triton here")
+        return run
+    monkeypatch.setattr(compiled_mod.torch, "compile", broken_compile)
+
+    class FakeCuda:  # only .is_cuda is looked at before dispatch
+        is_cuda = True
+
+    f = compiled_mod.compiled(lambda x, y: y + 1)
+    with pytest.warns(UserWarning, match="no triton here"):
+        assert f(FakeCuda(), 1) == 2
+    assert f(FakeCuda(), 2) == 3 and calls == ["compiled"]  # not retried
+    monkeypatch.setenv("EASY_CONTEXT_COMPILE", "0")
+    g = compiled_mod.compiled(lambda x, y: y * 2)
+    assert g(FakeCuda(), 4) == 8 and calls == ["compiled"]  # disabled: never compiled

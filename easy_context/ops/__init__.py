@@ -5,11 +5,11 @@
 
 * ``rms_norm`` — RMSNorm Function keeping input + fp32 inverse RMS; one fused kernel each way on CUDA.
 * ``rope``     — RoPE of q and k; one fused kernel each way, output in the layout attention kernels want.
-* ``compiled`` — the torch.compile wrapper both use (``EASY_CONTEXT_COMPILE=0`` disables it).
+* ``jit``      — ``compiled(fn)``, the torch.compile wrapper both use (``EASY_CONTEXT_COMPILE=0`` disables it).
 """
 from __future__ import annotations
 
-from .compiled import compile_enabled, compiled
+from .jit import compile_enabled, compiled
 from .rms_norm import RMSNormFunction, rms_norm_backward, rms_norm_forward
 from .rope import KNOWN as ROPE_ATTENTIONS
 from .rope import FusedRopeMixin, RotaryFunction, fuse_rope, fused_rope, unfuse_rope

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .compiled import compiled, row_chunks
+from .jit import compiled, row_chunks
 
 
 def _forward(x, weight, eps: float):

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from .compiled import compiled
+from .jit import compiled
 
 KNOWN = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("easy_context_fused_rope", default=False)
