@@ -8,7 +8,7 @@
 * ``tiled_mlp``     — each decoder MLP runs over the sequence in tiles, forward and backward (ALST idea).
 * ``offload``       — checkpointed layer inputs in pinned host memory with overlapped copies; every-k nesting.
 * ``selective``     — keep attention output + LSE, recompute the rest (``enable_selective_checkpointing``).
-* ``norm``          — RMSNorm that keeps its bf16 input + fp32 inverse RMS instead of fp32 upcasts.
+* ``norm``          — RMSNorm that keeps its bf16 input + fp32 inverse RMS (fused kernel on CUDA).
 All are exact: same loss and gradients as without them (tests/test_memory.py).
 """
 from __future__ import annotations
@@ -62,8 +62,9 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
     tiled_mlp: False, True/"auto" (tiles of ~hidden_size tokens, ALST's default) or a number of tiles.
     selective: also keep attention outputs over the chosen checkpointing (no attention recompute: faster,
       but +out/LSE per layer on the GPU); ``checkpointing="selective"`` is ``"layer"`` with this on.
-    lean_norm: RMSNorms keep their input + fp32 inverse RMS, not fp32 upcasts (-32 KB/token/layer at 7B
-      in the recompute working set; Llama/Mistral/Qwen2/Qwen3 norms).
+    lean_norm: RMSNorms keep their input + fp32 inverse RMS, not fp32 upcasts, and run as one fused kernel
+      each way on CUDA (easy_context.ops.rms_norm; Llama/Mistral/Qwen2/Qwen3 norms). Fused RoPE is
+      ``easy_context.ops.apply_fused_ops``.
     The chunked loss is not a model setting: compute the loss with ``causal_lm_loss``.
     """
     if checkpointing not in CHECKPOINTING:
