@@ -50,24 +50,31 @@ _DTYPES = {
 # ----------------------------------------------------------------------------------------------
 # validation and backend choice
 # ----------------------------------------------------------------------------------------------
-def _check(q, k, v, causal):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"attention expects q, k, v shaped (batch, seq, heads, head_dim); got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+def check_qkv(q, k, v, what: str = "attention", local: bool = False, causal: bool = False) -> None:
+    """Shape/dtype checks of q, k, v in the flash-attn layout, shared by the facade and every
+    sequence-parallel mode. ``local=True``: the shards of one rank (q and k/v also share the local length);
+    ``causal=True`` (facade): a causal block needs equal q and kv lengths. Raises ValueError with the fix."""
+    seq = "seq_local" if local else "seq"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{what} expects q, k, v shaped (batch, {seq}, heads, head_dim); "
+                             f"got {name} with shape {tuple(getattr(t, 'shape', ()))}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"{what}: k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if local and (q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]):
+        raise ValueError(f"{what}: q and k/v must agree on batch, local length and head_dim; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must agree on batch and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(f"{what}: q and k must agree on batch and head_dim; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
     if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(
-            f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) for grouped-query attention")
+        raise ValueError(f"{what}: q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) for "
+                         "grouped-query attention")
     if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"causal=True needs equal q and kv lengths (got {q.shape[1]} and {k.shape[1]}); "
-            "pass causal=False for an off-diagonal block")
+        raise ValueError(f"{what}: causal=True needs equal q and kv lengths (got {q.shape[1]} and {k.shape[1]}); "
+                         "pass causal=False for an off-diagonal block")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"{what}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
 @lru_cache(maxsize=None)
@@ -316,7 +323,7 @@ _BACKWARD = {"math": _math_backward, "cpu": _cpu_backward, "cudnn": _cudnn_backw
 def attn_forward(q, k, v, causal: bool = True, softmax_scale: float | None = None,
                  backend: str | None = None):
     """Attention of one block. Returns ``out`` (q's dtype, (B,Lq,Hq,D)) and ``lse`` (fp32, (B,Hq,Lq))."""
-    _check(q, k, v, causal)
+    check_qkv(q, k, v, causal=causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _FORWARD[choose_backend(q, backend)](q, k, v, causal, scale)
 
@@ -328,7 +335,7 @@ def attn_backward(dout, q, k, v, out, lse, causal: bool = True, softmax_scale: f
     Passing the final merged out/lse of a ring makes each block's dq/dk/dv exact contributions
     (the softmax normaliser and rowsum(dO∘O) are those of the full row).
     """
-    _check(q, k, v, causal)
+    check_qkv(q, k, v, causal=causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _BACKWARD[choose_backend(q, backend)](dout, q, k, v, out, lse, causal, scale)
 
@@ -362,7 +369,7 @@ def merge_attn_out(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
 
 def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None):
     """Differentiable full attention (autograd through plain ops): the test oracle."""
-    _check(q, k, v, causal)
+    check_qkv(q, k, v, causal=causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qg, kg, vg = _grouped(q, k, v)
     s = _scores(qg, kg, scale, 0, causal)

@@ -98,7 +98,7 @@ def test_validation_errors_before_any_collective():
         zigzag_ring_attn_func(q, k, v[:, :, :1])
     with pytest.raises(ValueError, match="local length"):
         zigzag_ring_attn_func(q, k[:, :4], v[:, :4])
-    with pytest.raises(ValueError, match="multiple of k/v heads"):
+    with pytest.raises(ValueError, match="multiple of kv heads"):
         zigzag_ring_attn_func(torch.randn(1, 8, 3, 16), k, v)
     with pytest.raises(ValueError, match="share a dtype"):
         zigzag_ring_attn_func(q.double(), k, v)

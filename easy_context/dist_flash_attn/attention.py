@@ -32,18 +32,10 @@ def validate(q, k, v, dropout_p=0.0, causal=True, group=None) -> tuple[int, int]
     if dropout_p:
         raise ValueError(f"dist_flash_attn does not support attention dropout (got dropout_p={dropout_p}); "
                          "set config.attention_dropout=0")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("dist_flash_attn expects q, k, v shaped (batch, seq_local, heads, head_dim); got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            "dist_flash_attn needs q, k, v with the same batch, local length and head_dim, and k, v of "
-            f"equal shape; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    kernels.check_qkv(q, k, v, "dist_flash_attn", local=True)
     if q.shape[1] == 0:
         raise ValueError("dist_flash_attn got an empty local sequence; the global length must be at least "
                          "the number of ranks (shard with shard_sequence('dist_flash_attn', ...))")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
     rank, world = group_rank_world(group)
     check_world_size(world)
     return rank, world

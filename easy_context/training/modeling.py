@@ -81,9 +81,9 @@ def apply_memory_options(model, args) -> None:
 
     try:
         configure_memory(model, checkpointing=args.checkpointing, offload_every_k=args.offload_every_k,
-                         tiled_mlp=args.tiled_mlp, lean_norm=args.fused_ops)
-        if args.fused_ops:
-            apply_fused_ops(model, norms=False, rope=True)
+                         tiled_mlp=args.tiled_mlp)
+        if args.fused_ops:  # after configure_memory, which resets the norms it manages
+            apply_fused_ops(model)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -57,16 +57,7 @@ def check_inputs(q, k, v, dropout_p: float, world: int, what: str = "ulysses_att
     if causal is False:
         raise ValueError(f"{what}: causal=False is not supported; sequence-parallel training of causal LMs "
                          "needs causal=True (use ulysses_attn for non-causal attention)")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"{what}: q, k, v must be (batch, seq_local, heads, head_dim); got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{what}: k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"{what}: q and k/v must agree on batch, local length and head_dim; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{what}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    kernels.check_qkv(q, k, v, what, local=True)
     return kv_replication(q.shape[2], k.shape[2], world, what)
 
 

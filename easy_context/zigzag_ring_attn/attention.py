@@ -77,23 +77,11 @@ def check_inputs(q, k, v, dropout_p: float, causal: bool) -> None:
     if dropout_p and dropout_p > 0:
         raise ValueError(f"zigzag_ring_attn_func does not support attention dropout (got dropout_p={dropout_p}); "
                          "pass dropout_p=0.0 (set config.attention_dropout=0.0)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"zigzag_ring_attn_func expects q, k, v shaped (batch, seq_local, heads, head_dim); "
-                             f"got {name} with shape {tuple(getattr(t, 'shape', ()))}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k/v must agree on batch, local length and head_dim; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) (GQA)")
+    kernels.check_qkv(q, k, v, "zigzag_ring_attn_func", local=True)
     if q.shape[1] % 2 != 0 or q.shape[1] == 0:
         raise ValueError(f"zigzag_ring_attn_func: the local length ({q.shape[1]}) must be even and > 0 (each "
                          "rank holds two equal zigzag chunks); make the global length a multiple of "
                          "2 x world_size and shard it with shard_sequence('zigzag_ring_attn', ...)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
 # ----------------------------------------------------------------------------------------------
