@@ -3,7 +3,8 @@
     python bench/bench_train_step.py [--lengths 16384 32768 65536 131072] [--steps 2]
 
 baseline: transformers SDPA attention + per-layer gradient checkpointing + ``model(labels=...)``.
-ours:     EasyContext's path on one rank (zigzag_ring_attn at W=1 -> kernel facade, cuDNN on Hopper),
+ours:     EasyContext's path on one rank (zigzag_ring_attn at W=1 -> kernel facade: FA4 when installed, else
+          cuDNN on Hopper; `--compare-cudnn` adds ours forced to cuDNN in the same run),
           selective checkpointing (attention output + LSE kept: attention is never recomputed),
           chunked LM head + loss (no tokens x vocab logits).
 Forward + backward (no optimizer step; see bench_memory.py for one), batch 1, bf16 weights, random init.
@@ -60,14 +61,24 @@ def step_fn(model, which, L, device):
 
 
 def measure(model, which, L, steps, device, tiled=False, warmup=1):
-    configure(model, which, tiled)
+    from easy_context import kernels
+    forced = "cudnn" if which == "ours-cudnn" else None
+    configure(model, "ours" if forced else which, tiled)
     run = step_fn(model, which, L, device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    old = os.environ.get(kernels.ENV_VAR)
+    if forced:
+        os.environ[kernels.ENV_VAR] = forced
     try:
         ms = cuda_time_ms(run, warmup=warmup, iters=steps)
     except torch.OutOfMemoryError:
         return dict(impl=which, L=L, tok_s="OOM")
+    finally:
+        if forced:
+            os.environ.pop(kernels.ENV_VAR) if old is None else os.environ.__setitem__(kernels.ENV_VAR, old)
+    if which == "ours":
+        which = f"ours({kernels.choose_backend(torch.empty(1, 1, 1, 128, device=device, dtype=torch.bfloat16))})"
     peak = torch.cuda.max_memory_allocated() / 2**30
     tok_s = L / (ms / 1e3)
     mfu = model_flops_per_token(model, L) * tok_s / PEAK
@@ -115,7 +126,7 @@ def layer_split(model, L, device):
     fused_norms = fb(lambda: RMSNormFunction.apply(h, n1.weight, n1.variance_epsilon)
                      + RMSNormFunction.apply(h, n2.weight, n2.variance_epsilon))
     parts = {  # ours' pieces (counted in the total), then HF's versions of the fused ones (not counted)
-        "attention (cuDNN fwd+bwd)": attn,
+        f"attention ({kernels.choose_backend(q)} fwd+bwd)": attn,
         "MLP": fb(lambda: layer.mlp(h)),
         "norms (2x fused lean RMSNorm)": fused_norms,
         "q/k/v/o projections": fb(proj),
@@ -194,6 +205,7 @@ def main():
     ap.add_argument("--tiled", action="store_true", help="also run ours with the tiled MLP")
     ap.add_argument("--tiny", action="store_true", help="tiny config (code-path smoke test)")
     ap.add_argument("--unfused", action="store_true", help="also run ours without the fused norm/RoPE")
+    ap.add_argument("--compare-cudnn", action="store_true", help="also run ours with the attention forced to cuDNN")
     args = ap.parse_args()
     if args.tiny and not torch.cuda.is_available():
         return cpu_smoke()
@@ -207,7 +219,8 @@ def main():
     print(table(fused_rows, ["op", "fused_rel_err", "eager_rel_err"]), flush=True)
     for L in args.lengths:
         pair = {}
-        for which in ("baseline", "ours") + (("ours-unfused",) if args.unfused else ()):
+        extra = (("ours-unfused",) if args.unfused else ()) + (("ours-cudnn",) if args.compare_cudnn else ())
+        for which in ("baseline", "ours") + extra:
             r = measure(model, which, L, args.steps, device, warmup=args.warmup)
             pair[which] = r
             rows.append(r)
@@ -215,8 +228,9 @@ def main():
         if args.tiled:
             rows.append(measure(model, "ours", L, args.steps, device, tiled=True, warmup=args.warmup))
             print(rows[-1], flush=True)
-        if "_tok_s" in pair["baseline"] and "_tok_s" in pair["ours"]:
-            pair["ours"]["vs_baseline"] = f"{pair['ours']['_tok_s'] / pair['baseline']['_tok_s']:.2f}x"
+        for r in pair.values():
+            if r is not pair["baseline"] and "_tok_s" in pair["baseline"] and "_tok_s" in r:
+                r["vs_baseline"] = f"{r['_tok_s'] / pair['baseline']['_tok_s']:.2f}x"
     print("\n## Llama-2-7B shape, one GPU, fwd+bwd, batch 1\n")
     print(table(rows, ["impl", "L", "step_s", "tok_s", "MFU", "peak_GiB", "vs_baseline"]))
     split = layer_split(model, args.lengths[-1], device)

@@ -11,6 +11,8 @@ takes fewer kv heads); ``lse`` is float32 ``(B, Hq, Lq)``, natural log, of the *
 ``causal=True`` needs ``Lq == Lk`` (the diagonal block of a ring step); unequal lengths are non-causal.
 
 Backends (``backend=`` argument, else env ``EASY_CONTEXT_ATTN_BACKEND``, else automatic):
+  fa4        FlashAttention-4 (``flash-attn-4``, CuTe DSL, JIT) on sm90/sm100 when importable: ~610 TFLOP/s
+             fwd+bwd on H200, native GQA; any failure falls back to cudnn with one warning (see fa4.py)
   cudnn      aten._scaled_dot_product_cudnn_attention  (fastest on Hopper: ~540 TFLOP/s fwd+bwd on H200)
   flash      aten._scaled_dot_product_flash_attention  (FA2 inside PyTorch)
   efficient  aten._scaled_dot_product_efficient_attention (any CUDA dtype incl. fp32)
@@ -29,15 +31,17 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from . import fa4
 from .ops.jit import compiled
 
 aten = torch.ops.aten
 
-BACKENDS = ("cudnn", "flash", "efficient", "flash_attn", "cpu", "math")
+BACKENDS = ("fa4", "cudnn", "flash", "efficient", "flash_attn", "cpu", "math")
 ENV_VAR = "EASY_CONTEXT_ATTN_BACKEND"
 _HALF = (torch.float16, torch.bfloat16)
 # dtypes each backend accepts (math takes anything floating).
 _DTYPES = {
+    "fa4": _HALF,
     "cudnn": _HALF,
     "flash": _HALF,
     "flash_attn": _HALF,
@@ -96,10 +100,21 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     device = torch.device(device)
     if device.type == "cuda":
         names = ["cudnn", "flash", "efficient"]
+        if fa4.usable(device.index or 0):
+            names.insert(0, "fa4")
         if _flash_attn_module() is not None:
             names.append("flash_attn")
         return names + ["math"]
     return ["cpu", "math"]
+
+
+def auto_cuda_backend(dtype: torch.dtype, head_dim: int, hopper: bool, fa4_usable) -> str:
+    """The automatic choice on a GPU (pure, for tests): fa4 > cudnn on Hopper/Blackwell, flash before."""
+    if dtype in _HALF and head_dim <= 128:
+        if not hopper:
+            return "flash"
+        return "fa4" if fa4_usable() else "cudnn"
+    return "efficient" if dtype in _HALF + (torch.float32,) else "math"
 
 
 def choose_backend(q: torch.Tensor, backend: str | None = None) -> str:
@@ -116,11 +131,8 @@ def choose_backend(q: torch.Tensor, backend: str | None = None) -> str:
                              f"it takes {[str(d) for d in _DTYPES[name]]}")
         return name
     if q.device.type == "cuda":
-        if q.dtype in _HALF and q.shape[-1] <= 128:
-            return "cudnn" if _is_hopper_or_newer(q.device.index or 0) else "flash"
-        if q.dtype in _HALF + (torch.float32,):
-            return "efficient"
-        return "math"
+        idx = q.device.index or 0
+        return auto_cuda_backend(q.dtype, q.shape[-1], _is_hopper_or_newer(idx), lambda: fa4.usable(idx))
     # CPU: the fused kernel returns the LSE and is exact enough in float32; float64 stays on math.
     return "cpu" if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else "math"
 
@@ -311,9 +323,17 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
-_FORWARD = {"math": _math_forward, "cpu": _cpu_forward, "cudnn": _cudnn_forward,
+def _fa4_forward(q, k, v, causal, scale):
+    return fa4.forward(q, k, v, causal, scale, fallback=_cudnn_forward)
+
+
+def _fa4_backward(dout, q, k, v, out, lse, causal, scale):
+    return fa4.backward(dout, q, k, v, out, lse, causal, scale, fallback=_cudnn_backward)
+
+
+_FORWARD = {"fa4": _fa4_forward, "math": _math_forward, "cpu": _cpu_forward, "cudnn": _cudnn_forward,
             "flash": _flash_forward, "efficient": _efficient_forward, "flash_attn": _flash_attn_forward}
-_BACKWARD = {"math": _math_backward, "cpu": _cpu_backward, "cudnn": _cudnn_backward,
+_BACKWARD = {"fa4": _fa4_backward, "math": _math_backward, "cpu": _cpu_backward, "cudnn": _cudnn_backward,
              "flash": _flash_backward, "efficient": _efficient_backward, "flash_attn": _flash_attn_backward}
 
 

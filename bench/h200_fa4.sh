@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The FA4 measurements on one H200, in back-to-back device calls (the machine keeps /tmp while warm, 30 s):
+#   bash bench/h200_fa4.sh keep      # call 1, carry .fa4a: park the first half of the CUTLASS DSL wheel
+#   bash bench/h200_fa4.sh install   # call 2, carry .fa4b: join the halves, install FA4 into /tmp/site
+#   bash bench/h200_fa4.sh kernels   # GPU tests of the facade (fa4 incl. varlen), bench_kernels, JIT/cache, 512K ring sim
+#   bash bench/h200_fa4.sh step      # bench_train_step 16K..128K: ours(fa4) vs ours(cudnn) vs plain HF
+# Wheels: bash ../shared/tools/device_wheels.sh fa4 (fills .fa4a/.fa4b, both git-ignored).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+OUT=${OUT:-/tmp}
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True EASY_CONTEXT_FA4_CACHE=/tmp/fa4cache
+case "${1:-}" in
+  keep) mkdir -p /tmp/keep && cp .fa4a/part.aa /tmp/keep/ && nvidia-smi --query-gpu=name,memory.used --format=csv ;;
+  install)
+    cat /tmp/keep/part.aa .fa4b/part.ab > "/tmp/keep/$CU13"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "/tmp/keep/$CU13" .fa4b/*.whl
+    python3 -c "from easy_context import fa4; print('fa4 usable:', fa4.usable(0))" ;;
+  kernels)
+    python3 -m pytest -q -p no:cacheprovider tests/test_fa4_backend.py tests/test_kernels.py 2>&1 | tail -5
+    python3 bench/bench_kernels.py 2>&1 | grep -v Warn | tee "$OUT/kernels.log" | tail -24
+    python3 bench/bench_fa4_jit.py 2>&1 | tee "$OUT/fa4_jit.log" | tail -9
+    python3 bench/bench_ring_sim.py --lengths 524288 --worlds 8 --modes zigzag --iters 1 2>&1 | tee "$OUT/ring_sim.log" | tail -4 ;;
+  step)
+    python3 bench/bench_train_step.py --lengths 16384 32768 65536 131072 --steps 1 --warmup 1 --compare-cudnn 2>&1 \
+      | grep -v Warn | tee "$OUT/train_step.log" | tail -34 ;;
+  *) echo "usage: $0 keep|install|kernels|step" >&2; exit 2 ;;
+esac

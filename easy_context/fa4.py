@@ -1,0 +1,138 @@
+"""FlashAttention-4 behind the kernel facade (the only module that imports ``flash_attn.cute``).
+
+FA4 (Dao-AILab, ``pip install "easy-context[fa4]"``, CuTe DSL, JIT-compiled per shape) runs causal attention at
+~610 TFLOP/s fwd+bwd on an H200 against cuDNN's ~540, takes GQA without expanding k/v and returns the fp32
+LSE ``(B, H, L)`` the ring merge needs. Its raw entry points ``_flash_attn_fwd/_flash_attn_bwd`` are private
+names, so the tested version range is pinned (``TESTED``); another version is used only with
+``EASY_CONTEXT_FA4=force``. Any import failure, untested version or shape FA4 refuses falls back to cuDNN
+with ONE warning (per reason / per shape), never an error.
+
+Settings (environment, read once):
+  EASY_CONTEXT_FA4          auto (default: use when importable, tested and on sm90/sm100) | 0 (off) | force
+  EASY_CONTEXT_FA4_CACHE    directory of FA4's on-disk kernel cache (default ~/.cache/easy_context/fa4).
+                            FA4 compiles each new shape (~3.3 s forward + 2.4 s backward on an H200); with the
+                            cache, the ranks of a node and later runs load the compiled kernels instead
+                            (FA4's own FLASH_ATTENTION_CUTE_DSL_CACHE_* variables, if set, win; ``0`` disables).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from functools import lru_cache
+
+TESTED = ("4.0.0b36", "4.1")  # [low, high): the range whose private entry points were checked on an H200
+ENV = "EASY_CONTEXT_FA4"
+CACHE_ENV = "EASY_CONTEXT_FA4_CACHE"
+
+_warned: set[str] = set()
+_failed_shapes: set[tuple] = set()
+
+
+def _warn(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"easy_context: {msg}", RuntimeWarning, stacklevel=3)
+
+
+def _version_tested(version: str) -> bool:
+    from packaging.version import Version
+    return Version(TESTED[0]) <= Version(version) < Version(TESTED[1])
+
+
+def _enable_disk_cache() -> None:
+    """Turn on FA4's on-disk kernel cache (its env vars are read when flash_attn.cute is imported)."""
+    cache = os.environ.get(CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "easy_context", "fa4"))
+    if cache in ("", "0"):
+        return
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", cache)
+
+
+@lru_cache(maxsize=None)
+def module():
+    """``flash_attn.cute.interface`` if FA4 may be used in this process, else None (reason warned once)."""
+    mode = os.environ.get(ENV, "auto").lower()
+    if mode in ("0", "off", "false"):
+        return None
+    try:
+        from importlib.metadata import version
+        ver = version("flash-attn-4")
+    except Exception:
+        return None  # not installed: the normal case, no warning
+    if mode != "force" and not _version_tested(ver):
+        _warn("version", f"flash-attn-4 {ver} is outside the tested range [{TESTED[0]}, {TESTED[1]}); using cuDNN "
+              f"(set {ENV}=force to try it anyway)")
+        return None
+    _enable_disk_cache()
+    try:
+        mod = importlib.import_module("flash_attn.cute.interface")
+        mod._flash_attn_fwd, mod._flash_attn_bwd  # noqa: B018  (the private names we rely on)
+    except Exception as e:  # a broken CUTLASS DSL install, missing CUDA libs, renamed entry points
+        _warn("import", f"flash-attn-4 {ver} is installed but unusable ({type(e).__name__}: {e}); using cuDNN")
+        return None
+    return mod
+
+
+@lru_cache(maxsize=None)
+def usable(device_index: int = 0) -> bool:
+    """FA4 importable and the GPU is Hopper (sm90) or Blackwell (sm100): the archs its kernels target."""
+    import torch
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index)[0] not in (9, 10):
+        return False
+    return module() is not None
+
+
+def _shape_key(kind, q, k, causal, extra=()):
+    return (kind, tuple(q.shape), tuple(k.shape), q.dtype, bool(causal)) + tuple(extra)
+
+
+def _run(kind, q, k, causal, call, fallback, extra=()):
+    key = _shape_key(kind, q, k, causal, extra)
+    mod = module()
+    if mod is None or key in _failed_shapes:
+        return fallback()
+    try:
+        return call(mod)
+    except Exception as e:  # FA4 refused this shape/config: remember it, fall back for good
+        _failed_shapes.add(key)
+        _warn(repr(key), f"FlashAttention-4 {kind} failed for q {tuple(q.shape)}, k {tuple(k.shape)}, "
+              f"causal={causal} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+              "using cuDNN for this shape")
+        return fallback()
+
+
+def forward(q, k, v, causal, scale, fallback):
+    """(out, lse fp32 (B, Hq, Lq)); ``fallback(q, k, v, causal, scale)`` is the cuDNN path."""
+    def call(mod):
+        out, lse, *_ = mod._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+        return out, lse
+    return _run("forward", q, k, causal, call, lambda: fallback(q, k, v, causal, scale))
+
+
+def backward(dout, q, k, v, out, lse, causal, scale, fallback):
+    """(dq, dk, dv) with dk/dv in k's kv-head count (FA4 reduces GQA groups itself)."""
+    def call(mod):
+        dq, dk, dv, *_ = mod._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse.contiguous(),
+                                             softmax_scale=scale, causal=causal)
+        return dq, dk, dv
+    return _run("backward", q, k, causal, call, lambda: fallback(dout, q, k, v, out, lse, causal, scale))
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fallback):
+    """Packed (total, H, D) q/k/v with int32 cumulative lengths; lse (Hq, total_q). Falls back like ``forward``."""
+    def call(mod):
+        out, lse, *_ = mod._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                           max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
+                                           return_lse=True)
+        return out, lse
+    return _run("varlen forward", q, k, causal, call, fallback, (max_q, max_k))
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, fallback):
+    def call(mod):
+        dq, dk, dv, *_ = mod._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse.contiguous(),
+                                             softmax_scale=scale, causal=causal, cu_seqlens_q=cu_q,
+                                             cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        return dq, dk, dv
+    return _run("varlen backward", q, k, causal, call, fallback, (max_q, max_k))

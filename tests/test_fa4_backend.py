@@ -1,0 +1,184 @@
+"""FA4 backend: selection and fallback logic with the flash_attn.cute import faked (CPU), and FA4 itself vs the
+float64 reference on a GPU (dense causal / non-causal unequal lengths / GQA come from test_kernels.py's
+backend sweep, which includes fa4 where it is usable; varlen is checked here)."""
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+from easy_context import fa4, kernels
+from tests.tols import assert_close
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """Reset FA4's process-wide caches around each test."""
+    def reset():
+        fa4.module.cache_clear()
+        fa4.usable.cache_clear()
+        fa4._warned.clear()
+        fa4._failed_shapes.clear()
+    reset()
+    monkeypatch.delenv(fa4.ENV, raising=False)
+    yield monkeypatch
+    reset()
+
+
+def _fake_installed(monkeypatch, version="4.0.0b36", mod=None, import_error=None):
+    import importlib.metadata as md
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda name: version if name == "flash-attn-4" else real(name))
+    if import_error is not None:
+        def boom(name, *a, **k):
+            if name == "flash_attn.cute.interface":
+                raise import_error
+            return real_import(name, *a, **k)
+        real_import = fa4.importlib.import_module
+        monkeypatch.setattr(fa4.importlib, "import_module", boom)
+    elif mod is not None:
+        monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", mod)
+        monkeypatch.setattr(fa4.importlib, "import_module",
+                            lambda name: mod if name == "flash_attn.cute.interface" else __import__(name))
+
+
+def _fake_module(fwd=None, bwd=None):
+    mod = types.ModuleType("flash_attn.cute.interface")
+    mod.calls = []
+
+    def _flash_attn_fwd(q, k, v, **kw):
+        mod.calls.append(("fwd", kw))
+        if fwd:
+            return fwd(q, k, v, **kw)
+        out, lse = kernels.attn_forward(q, k, v, kw["causal"], kw["softmax_scale"], backend="math")
+        return out, lse, None, None, None
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, **kw):
+        mod.calls.append(("bwd", kw))
+        if bwd:
+            return bwd()
+        return kernels.attn_backward(dout, q, k, v, out, lse, kw["causal"], kw["softmax_scale"], backend="math")
+    mod._flash_attn_fwd, mod._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    return mod
+
+
+def test_not_installed_is_silent(fresh):
+    import importlib.metadata as md
+
+    def missing(name):
+        raise md.PackageNotFoundError(name)
+    fresh.setattr(md, "version", missing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fa4.module() is None
+
+
+def test_untested_version_warns_once_and_force_overrides(fresh):
+    _fake_installed(fresh, version="5.0.0", mod=_fake_module())
+    with pytest.warns(RuntimeWarning, match=r"outside the tested range .*EASY_CONTEXT_FA4=force"):
+        assert fa4.module() is None
+    fa4.module.cache_clear()
+    fresh.setenv(fa4.ENV, "force")
+    assert fa4.module() is not None
+
+
+def test_broken_import_warns_and_disables(fresh):
+    _fake_installed(fresh, import_error=OSError("libcuda.so.1: cannot open shared object file"))
+    with pytest.warns(RuntimeWarning, match="installed but unusable .*libcuda.*using cuDNN"):
+        assert fa4.module() is None
+
+
+def test_env_off(fresh):
+    _fake_installed(fresh, mod=_fake_module())
+    fresh.setenv(fa4.ENV, "0")
+    assert fa4.module() is None
+
+
+def test_disk_cache_enabled_by_default_and_user_setting_wins(fresh, tmp_path):
+    for var in ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        fresh.delenv(var, raising=False)
+    fresh.setenv(fa4.CACHE_ENV, str(tmp_path))
+    _fake_installed(fresh, mod=_fake_module())
+    assert fa4.module() is not None
+    import os
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path)
+    fresh.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/elsewhere")
+    fa4._enable_disk_cache()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/elsewhere"
+
+
+def test_forward_backward_through_fake_fa4_are_exact(fresh):
+    mod = _fake_module()
+    _fake_installed(fresh, mod=mod)
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    never = lambda *a: pytest.fail("fallback used")  # noqa: E731
+    out, lse = fa4.forward(q, k, v, True, 0.3, fallback=never)
+    dq, dk, dv = fa4.backward(do, q, k, v, out, lse, True, 0.3, fallback=never)
+    ro, rl = kernels.attn_forward(q, k, v, True, 0.3, backend="math")
+    rg = kernels.attn_backward(do, q, k, v, ro, rl, True, 0.3, backend="math")
+    for a, b, n in zip((out, lse, dq, dk, dv), (ro, rl, *rg), ("out", "lse", "dq", "dk", "dv")):
+        assert_close(a, b, 1e-12, n)
+    assert mod.calls[0] == ("fwd", dict(softmax_scale=0.3, causal=True, return_lse=True))
+    assert mod.calls[1][1]["causal"] is True and mod.calls[1][1]["softmax_scale"] == 0.3
+
+
+def test_failing_shape_falls_back_once_with_one_warning(fresh):
+    def refuse(q, k, v, **kw):
+        raise AssertionError("head_dim 96 not supported")
+    mod = _fake_module(fwd=refuse)
+    _fake_installed(fresh, mod=mod)
+    q = torch.randn(1, 8, 2, 96)
+    used = []
+
+    def fallback(*a):
+        used.append(1)
+        return "cudnn-result"
+    with pytest.warns(RuntimeWarning, match=r"forward failed for q \(1, 8, 2, 96\).*head_dim 96.*using cuDNN"):
+        assert fa4.forward(q, q, q, True, 0.1, fallback) == "cudnn-result"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, and FA4 is not tried again for this shape
+        assert fa4.forward(q, q, q, True, 0.1, fallback) == "cudnn-result"
+    assert len(used) == 2 and len(mod.calls) == 1
+
+
+def test_auto_choice_prefers_fa4_on_hopper_only():
+    yes, no = (lambda: True), (lambda: False)
+    assert kernels.auto_cuda_backend(torch.bfloat16, 128, True, yes) == "fa4"
+    assert kernels.auto_cuda_backend(torch.bfloat16, 128, True, no) == "cudnn"
+    assert kernels.auto_cuda_backend(torch.bfloat16, 128, False, yes) == "flash"
+    assert kernels.auto_cuda_backend(torch.bfloat16, 256, True, yes) == "efficient"
+    assert kernels.auto_cuda_backend(torch.float32, 128, True, yes) == "efficient"
+    assert kernels.auto_cuda_backend(torch.float64, 128, True, yes) == "math"
+    assert "fa4" not in kernels.available_backends("cpu")
+
+
+@pytest.mark.gpu
+def test_fa4_varlen_matches_reference():
+    if not fa4.usable(0):
+        pytest.skip("flash-attn-4 not installed/usable on this GPU")
+    g = torch.Generator().manual_seed(1)
+    lens = [1, 37, 128, 300, 6]
+    tot, hq, hkv, d = sum(lens), 8, 2, 128
+    q, do = (torch.randn(tot, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(tot, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    qb, kb, vb, dob = (t.cuda().bfloat16() for t in (q, k, v, do))
+    scale = d ** -0.5
+    fail = lambda *a: pytest.fail("fa4 varlen fell back")  # noqa: E731
+    out, lse = fa4.varlen_forward(qb, kb, vb, cu, cu, max(lens), max(lens), True, scale, fail)
+    dq, dk, dv = fa4.varlen_backward(dob, qb, kb, vb, out, lse, cu, cu, max(lens), max(lens), True, scale, fail)
+    s = 0
+    for n in lens:
+        sl = slice(s, s + n)
+        qr, kr, vr = (t[sl].unsqueeze(0).requires_grad_() for t in (q, k, v))
+        ro, rl = kernels.attention_reference(qr, kr, vr, True, scale)
+        ro.backward(do[sl].unsqueeze(0))
+        assert_close(out[sl].double().cpu(), ro[0], 2e-2, f"out doc {n}")
+        assert_close(lse[:, sl].double().cpu(), rl[0], 2e-2, f"lse doc {n}")
+        for a, b, name in ((dq, qr, "dq"), (dk, kr, "dk"), (dv, vr, "dv")):
+            assert_close(a[sl].double().cpu(), b.grad[0], 2e-2, f"{name} doc {n}")
+        s += n
