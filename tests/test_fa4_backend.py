@@ -180,5 +180,8 @@ def test_fa4_varlen_matches_reference():
         assert_close(out[sl].double().cpu(), ro[0], 2e-2, f"out doc {n}")
         assert_close(lse[:, sl].double().cpu(), rl[0], 2e-2, f"lse doc {n}")
         for a, b, name in ((dq, qr, "dq"), (dk, kr, "dk"), (dv, vr, "dv")):
+            if n == 1 and name in ("dq", "dk"):  # one key: softmax is constant, these grads are exactly 0
+                assert a[sl].abs().max() < 1e-3, f"{name} doc 1 should be ~0, max {a[sl].abs().max()}"
+                continue
             assert_close(a[sl].double().cpu(), b.grad[0], 2e-2, f"{name} doc {n}")
         s += n
