@@ -16,6 +16,22 @@ def seq_multiple(seq_algo: str, world_size: int, **kw) -> int:
     return get_algo(seq_algo).layout_module().seq_multiple(world_size, **kw)
 
 
+def layout_signature(seq_algo: str, world_size: int, **kw) -> tuple:
+    """How ``seq_algo`` cuts a sequence over ``world_size`` sp ranks, canonically: two (mode, degrees) with
+    the same signature shard identically (zigzag over W == usp ring W x ulysses 1; usp ring 1 == contiguous)."""
+    return get_algo(seq_algo).layout_module().signature(world_size, **kw)
+
+
+def describe_layout(seq_algo: str, world_size: int, **kw) -> str:
+    extra = "".join(f", {k}={v}" for k, v in kw.items() if v is not None)
+    return f"{seq_algo} on {world_size} sp ranks{extra}"
+
+
+# prepare_seq_parallel_inputs marks the tensors it returns with the layout they were cut for; the patched
+# attention compares it with its own and refuses a mismatch (a silent wrong result otherwise).
+LAYOUT_ATTR = "_easy_context_layout"
+
+
 def shard_sequence(seq_algo: str, tensor: torch.Tensor, rank: int, world_size: int, dim: int = 1, **kw):
     """This rank's shard of ``tensor`` along ``dim`` in ``seq_algo``'s layout."""
     _check_world(rank, world_size)
@@ -52,8 +68,16 @@ def prepare_seq_parallel_inputs(seq_algo: str, input_ids, position_ids, target_i
         raise ValueError(f"{seq_algo} on {world_size} ranks needs the sequence length to be a multiple of "
                          f"{mult}; got {n} (use {n - n % mult or mult} or {n - n % mult + mult})")
 
+    tag = (layout_signature(seq_algo, world_size, **kw), describe_layout(seq_algo, world_size, **kw))
+
     def cut(t):
-        return None if t is None else shard_sequence(seq_algo, t, rank, world_size, dim=-1, **kw).to(device)
+        if t is None:
+            return None
+        local = shard_sequence(seq_algo, t, rank, world_size, dim=-1, **kw).to(device)
+        if local is t:  # never tag the caller's own tensor (data_parallel / one rank return it as is)
+            local = local.view_as(local)
+        setattr(local, LAYOUT_ATTR, tag)
+        return local
 
     return {"local_input_ids": cut(input_ids), "local_position_ids": cut(position_ids),
             "local_target_ids": cut(target_ids)}

@@ -10,8 +10,11 @@ Everything goes through transformers' own extension points, never through copied
   AttentionInterface docstring describes), and its mask builders are wrapped the same way. Models of the
   family built before or after the call follow it; ``"data_parallel"`` puts the originals back.
 
-Process groups are bound when patching (``group=`` / ``ring_group=``/``ulysses_group=`` or a
-``ParallelLayout``) and travel in the registered closure; nothing is global.
+Process groups are bound when patching (``group=`` / ``ring_group=``/``ulysses_group=``, ``ring_degree=`` for
+usp_attn, or a ``ParallelLayout``) and travel in the registered closure; nothing is global. Inputs cut by
+``prepare_seq_parallel_inputs`` carry the layout they were cut for; attention run with another layout (e.g.
+USP inputs sharded for ring 2 x ulysses 2, attention patched as a pure ring) raises instead of computing a
+wrong result.
 """
 from __future__ import annotations
 
@@ -65,17 +68,64 @@ def _check_mask(attention_mask) -> None:
                      f"got {type(attention_mask).__name__} of shape {getattr(attention_mask, 'shape', None)}")
 
 
-def make_attention_fn(seq_algo: str, **groups):
-    """An AttentionInterface function running ``seq_algo`` with the bound process groups."""
+class _Groups:
+    """The attention's process groups: bound now, or (``ring_degree=`` before the process group exists)
+    built by ``ParallelLayout`` at the first call, which every rank makes in step (new_group is collective)."""
+
+    def __init__(self, seq_algo, groups: dict | None, ring_degree: int | None = None):
+        self.seq_algo, self._groups, self.ring_degree = seq_algo, groups, ring_degree
+
+    def get(self) -> dict:
+        if self._groups is None:
+            from .parallel_layout import ParallelLayout
+            self._groups = ParallelLayout.build(self.seq_algo, ring_degree=self.ring_degree).attn_groups()
+        return self._groups
+
+
+def _own_signature(seq_algo, groups: dict) -> tuple:
+    """The layout attention will assume, from the sizes of its groups (None = the world)."""
+    from .api import layout_signature
+    import torch.distributed as dist
+    live = dist.is_available() and dist.is_initialized()
+    size = (lambda g: dist.get_world_size(g) if live else 1)
+    if seq_algo == "usp_attn":
+        from .usp.attention import resolve_groups  # usp's own reading of None groups
+        _, r, u, _ = resolve_groups(groups.get("ring_group"), groups.get("ulysses_group")) if live else (0, 1, 1, 0)
+        return layout_signature(seq_algo, r * u, ring_degree=r), f"{seq_algo} with ring {r} x ulysses {u}"
+    w = size(groups.get("group")) if get_algo(seq_algo).group_kwargs else 1
+    return layout_signature(seq_algo, w), f"{seq_algo} on {w} sp ranks"
+
+
+def _check_layout(seq_algo, bound: _Groups, state: dict, position_ids) -> None:
+    tag = getattr(position_ids, "_easy_context_layout", None)
+    if tag is None:
+        return
+    if "own" not in state:
+        state["own"] = _own_signature(seq_algo, bound.get())
+    own, own_desc = state["own"]
+    if tag[0] != own:
+        raise ValueError(
+            f"the inputs were sharded for {tag[1]} but attention runs {own_desc}: the model would compute "
+            "a wrong result. Pass the same mode and ring_degree= to apply_seq_parallel_monkey_patch and "
+            "prepare_seq_parallel_inputs (or one ParallelLayout to both: layout=..., layout.prepare_inputs)")
+
+
+def make_attention_fn(seq_algo: str, ring_degree: int | None = None, **groups):
+    """An AttentionInterface function running ``seq_algo`` with the bound process groups
+    (``ring_degree=``: usp_attn's groups built from the world on first use)."""
     algo = get_algo(seq_algo)
     fn = algo.attention_fn()
     bad = set(groups) - set(algo.group_kwargs)
     if bad:
         raise ValueError(f"{seq_algo} takes process groups {algo.group_kwargs}, got {sorted(bad)}")
+    bound = _Groups(seq_algo, None if ring_degree is not None else groups, ring_degree)
+    state: dict = {}
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                   sliding_window=None, **kwargs):
         # query (B, Hq, S, D), key/value (B, Hkv, S, D): kv heads are not repeated (GQA stays on the wire).
+        groups = bound.get()
+        _check_layout(seq_algo, bound, state, kwargs.get("position_ids"))
         if sliding_window is not None and sliding_window < query.shape[2] * _sp_size(algo, groups):
             raise ValueError(f"{seq_algo}: sliding-window attention ({sliding_window}) is not supported; "
                              "set config.sliding_window=None")
@@ -116,31 +166,53 @@ def _no_mask(mask_fn):
     return build
 
 
-def _groups_from(seq_algo, layout, group, ring_group, ulysses_group) -> dict:
+def _groups_from(seq_algo, layout, group, ring_group, ulysses_group, ring_degree) -> dict:
+    """The attention function's kwargs: bound groups, or ``ring_degree`` for groups built on first use."""
     algo = get_algo(seq_algo)
-    if layout is not None:
-        return layout.attn_groups(seq_algo)
     given = {"group": group, "ring_group": ring_group, "ulysses_group": ulysses_group}
+    explicit = [k for k, g in given.items() if g is not None]
+    if ring_degree is not None:
+        if seq_algo != "usp_attn":
+            raise ValueError(f"ring_degree applies to usp_attn only (got {seq_algo!r} with ring_degree={ring_degree})")
+        if isinstance(ring_degree, bool) or not isinstance(ring_degree, int) or ring_degree < 1:
+            raise ValueError(f"ring_degree must be a positive int; got {ring_degree!r}")
+        if layout is not None and layout.ring != ring_degree:
+            raise ValueError(f"ring_degree={ring_degree} disagrees with the layout {layout} (ring {layout.ring}); "
+                             "pass one of them")
+        if explicit:
+            raise ValueError(f"pass either ring_degree= or explicit process groups ({', '.join(explicit)}), not both")
+    if layout is not None:
+        if explicit:
+            raise ValueError(f"pass either layout= or explicit process groups ({', '.join(explicit)}), not both")
+        return layout.attn_groups(seq_algo)
+    if ring_degree is not None:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            from .parallel_layout import ParallelLayout
+            return ParallelLayout.build(seq_algo, ring_degree=ring_degree).attn_groups()
+        return {"ring_degree": ring_degree}  # no process group yet: built at the first attention call
     return {k: given[k] for k in algo.group_kwargs}
 
 
-def apply_seq_parallel_monkey_patch(seq_algo: str, model, *, group=None, ring_group=None,
-                                    ulysses_group=None, layout=None):
+def apply_seq_parallel_monkey_patch(seq_algo: str, model, ring_degree: int | None = None, layout=None, *,
+                                    group=None, ring_group=None, ulysses_group=None):
     """Route attention of ``model`` (a family string or a PreTrainedModel) through ``seq_algo``.
 
-    Groups default to the world group (for ``usp_attn`` pass ``ring_group``/``ulysses_group`` or a
-    ``ParallelLayout``). Returns the model (instance case) or None.
+    Groups default to the world group. ``usp_attn``: pass the same ``ring_degree=`` as to
+    ``prepare_seq_parallel_inputs`` (or a ``ParallelLayout``, or ``ring_group``/``ulysses_group``); inputs
+    sharded for another layout raise at the first attention call. Returns the model (instance case) or None.
     """
     get_algo(seq_algo)  # validates the name
+    groups = _groups_from(seq_algo, layout, group, ring_group, ulysses_group, ring_degree)
     if isinstance(model, str):
         family = model.lower()
         if family not in FAMILIES:
             raise ValueError(f"unknown model family {model!r}; valid families: {', '.join(FAMILIES)} "
                              "(or pass a transformers PreTrainedModel instance)")
-        _patch_family(seq_algo, family, _groups_from(seq_algo, layout, group, ring_group, ulysses_group))
+        _patch_family(seq_algo, family, groups)
         return None
     if isinstance(model, transformers.PreTrainedModel):
-        return _patch_instance(seq_algo, model, _groups_from(seq_algo, layout, group, ring_group, ulysses_group))
+        return _patch_instance(seq_algo, model, groups)
     raise ValueError(f"model must be a family string ({', '.join(FAMILIES)}) or a transformers "
                      f"PreTrainedModel; got {type(model).__name__}")
 

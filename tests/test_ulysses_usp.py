@@ -157,5 +157,53 @@ def _model_body(rank, world_size):
                             groups=usp.attn_groups(), sp_group=usp.sp_group, labels_mask="one_rank")
 
 
+    # usp with ring_degree= on the patch itself (groups built from the world), instance and family patch
+    check_model_equivalence(rank, world_size, "usp_attn", "llama", layout_kw={"ring_degree": 2},
+                            groups={"ring_degree": 2})
+    check_model_equivalence(rank, world_size, "usp_attn", "qwen2", layout_kw={"ring_degree": 2},
+                            groups={"ring_degree": 2}, patch="family")
+    _layout_mismatch_is_an_error(rank, world_size)
+
+
+def _layout_mismatch_is_an_error(rank, world_size):
+    """Inputs sharded for one layout, attention patched for another: an error on every rank, not wrong logits."""
+    import copy
+
+    import pytest
+
+    from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
+    from tests.model_equiv import build_model, make_batch
+    base = build_model("llama")
+    ids, pos, _ = make_batch(1, 32, base.config.vocab_size)
+    cases = [  # (prepare mode, prepare kw, patch mode, patch kw, message)
+        ("usp_attn", {"ring_degree": 2}, "usp_attn", {}, r"sharded for usp_attn on 4 sp ranks, ring_degree=2 but "
+         r"attention runs usp_attn with ring 4 x ulysses 1"),
+        ("usp_attn", {"ring_degree": 2}, "usp_attn", {"ring_degree": 4}, "ring 4 x ulysses 1"),
+        ("usp_attn", {}, "usp_attn", {"ring_degree": 2}, "ring 2 x ulysses 2"),
+        ("usp_attn", {"ring_degree": 2}, "zigzag_ring_attn", {}, "attention runs zigzag_ring_attn on 4 sp ranks"),
+        ("zigzag_ring_attn", {}, "ulysses_attn", {}, "sharded for zigzag_ring_attn"),
+    ]
+    for mode, kw, pmode, pkw, msg in cases:
+        model = apply_seq_parallel_monkey_patch(pmode, copy.deepcopy(base), **pkw)
+        prep = prepare_seq_parallel_inputs(mode, ids, pos, None, rank, world_size, "cpu", **kw)
+        with pytest.raises(ValueError, match=msg):
+            model(prep["local_input_ids"], position_ids=prep["local_position_ids"], use_cache=False)
+    # the same cut under another name is fine: zigzag over 4 == usp ring 4 x ulysses 1
+    model = apply_seq_parallel_monkey_patch("usp_attn", copy.deepcopy(base), ring_degree=4)
+    prep = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, pos, None, rank, world_size, "cpu")
+    model(prep["local_input_ids"], position_ids=prep["local_position_ids"], use_cache=False)
+
+
+def test_patch_ring_degree_validation():
+    from easy_context import ParallelLayout, apply_seq_parallel_monkey_patch
+    with pytest.raises(ValueError, match="ring_degree applies to usp_attn only"):
+        apply_seq_parallel_monkey_patch("zigzag_ring_attn", "llama", ring_degree=2)
+    with pytest.raises(ValueError, match="positive int"):
+        apply_seq_parallel_monkey_patch("usp_attn", "llama", ring_degree=0)
+    with pytest.raises(ValueError, match="disagrees with the layout"):
+        apply_seq_parallel_monkey_patch("usp_attn", "llama", ring_degree=2,
+                                        layout=ParallelLayout.build("usp_attn", world_size=1))
+
+
 def test_models_4_ranks():
     run_ranks(_model_body, world_size=4, timeout=240)

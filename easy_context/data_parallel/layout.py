@@ -1,6 +1,10 @@
 """data_parallel: every rank holds the whole sequence (identity sharding)."""
 
 
+def signature(world_size: int, **_) -> tuple:
+    return ("contiguous", 1)  # every rank holds the whole sequence
+
+
 def seq_multiple(world_size: int, **_) -> int:
     return 1
 

@@ -2,6 +2,10 @@
 from ..sharding import contiguous_shard, contiguous_unshard
 
 
+def signature(world_size: int, **_) -> tuple:
+    return ("contiguous", world_size)
+
+
 def seq_multiple(world_size: int, **_) -> int:
     return world_size
 

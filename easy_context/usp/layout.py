@@ -18,6 +18,12 @@ def _degrees(world_size: int, ring_degree: int | None):
     return r, world_size // r
 
 
+def signature(world_size: int, ring_degree: int | None = None, **_) -> tuple:
+    """Canonical cut (see api.layout_signature): a ring of 1 is a plain contiguous split over the Ulysses ranks."""
+    r, u = _degrees(world_size, ring_degree)
+    return ("contiguous", u) if r == 1 else ("zigzag", r, u)
+
+
 def seq_multiple(world_size: int, ring_degree: int | None = None, **_) -> int:
     r, u = _degrees(world_size, ring_degree)
     return 2 * r * u

@@ -2,6 +2,11 @@
 from ..sharding import zigzag_shard, zigzag_unshard
 
 
+def signature(world_size: int, **_) -> tuple:
+    """Canonical cut (see api.layout_signature): zigzag over W ranks is USP with ring W x ulysses 1."""
+    return ("contiguous", 1) if world_size == 1 else ("zigzag", world_size, 1)
+
+
 def seq_multiple(world_size: int, **_) -> int:
     return 2 * world_size
 
