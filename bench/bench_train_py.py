@@ -117,6 +117,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not counted)")
     ap.add_argument("--configs", nargs="+", default=["offload", "opt-offload", "gpu"], choices=sorted(CONFIGS))
     ap.add_argument("--skip-bare", action="store_true")
+    ap.add_argument("--work", default=None, help="assets directory, reused when it already holds them (split a long "
+                    "bench over several device calls)")
     ap.add_argument("--tiny", action="store_true", help="CPU code-path check: tiny shape, cpu config")
     args = ap.parse_args()
     import torch
@@ -128,13 +130,32 @@ def main():
         raise SystemExit("this benchmark needs a CUDA GPU (or --tiny for the CPU code-path check)")
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     print(env_line(), flush=True)
-    work = tempfile.mkdtemp(prefix="bench_train_py_")
+    work = args.work or tempfile.mkdtemp(prefix="bench_train_py_")
     rows_needed = args.steps * max(args.ga)
-    model_dir, data_dir, cfg, n_params = make_assets(args.shape, args.seq_length, rows_needed, work, device)
+    stamp = os.path.join(work, f"assets_{args.shape}_{args.seq_length}_{rows_needed}.json")
+    if os.path.exists(stamp):
+        from transformers import LlamaConfig
+        with open(stamp) as f:
+            n_params = json.load(f)["n_params"]
+        model_dir, data_dir = os.path.join(work, "model"), os.path.join(work, "data")
+        cfg = LlamaConfig.from_pretrained(model_dir)
+    else:
+        model_dir, data_dir, cfg, n_params = make_assets(args.shape, args.seq_length, rows_needed, work, device)
+        with open(stamp, "w") as f:
+            json.dump({"n_params": n_params}, f)
     if device == "cuda":
         torch.cuda.empty_cache()
     print(f"{args.shape}: {n_params / 1e9:.2f}B params, L={args.seq_length}", flush=True)
-    bare = None if args.skip_bare else bare_step(cfg, args.seq_length)
+    bare_file = os.path.join(work, f"bare_{args.shape}_{args.seq_length}.json")
+    if args.skip_bare:
+        bare = None
+    elif os.path.exists(bare_file):  # measured by an earlier call on the same assets
+        with open(bare_file) as f:
+            bare = json.load(f)
+    else:
+        bare = bare_step(cfg, args.seq_length)
+        with open(bare_file, "w") as f:
+            json.dump({k: v for k, v in bare.items() if not k.startswith("_")}, f)
     bare_mfu = None
     rows = []
     if bare and "MFU" in bare:

@@ -4,6 +4,9 @@
 #   bash bench/h200_fa4.sh install   # call 2, carry .fa4b: join the halves, install FA4 into /tmp/site
 #   bash bench/h200_fa4.sh kernels   # GPU tests of the facade (fa4 incl. varlen), bench_kernels, JIT/cache, 512K ring sim
 #   bash bench/h200_fa4.sh step      # bench_train_step 16K..128K: ours(fa4) vs ours(cudnn) vs plain HF
+#   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
+#   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4
+# install also installs .whl/ (deepspeed, datasets: bash ../shared/tools/device_wheels.sh ds) when carried.
 # Wheels: bash ../shared/tools/device_wheels.sh fa4 (fills .fa4a/.fa4b, both git-ignored).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +19,7 @@ case "${1:-}" in
   install)
     cat /tmp/keep/part.aa .fa4b/part.ab > "/tmp/keep/$CU13"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "/tmp/keep/$CU13" .fa4b/*.whl
+    if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
     python3 -c "from easy_context import fa4; print('fa4 usable:', fa4.usable(0))" ;;
   kernels)
     python3 -m pytest -q -p no:cacheprovider tests/test_fa4_backend.py tests/test_kernels.py 2>&1 | tail -5 || true
@@ -25,5 +29,11 @@ case "${1:-}" in
   step)
     python3 bench/bench_train_step.py --lengths 16384 32768 65536 131072 --steps 1 --warmup 1 --compare-cudnn 2>&1 \
       | grep -v Warn | tee "$OUT/train_step.log" | tail -34 ;;
-  *) echo "usage: $0 keep|install|kernels|step" >&2; exit 2 ;;
+  trainpy-a)
+    python3 bench/bench_train_py.py --shape llama3.2-3b --seq-length 32768 --configs offload --ga 1 4 --steps 3 \
+      --work /tmp/trainpy 2>&1 | grep -v Warn | tee "$OUT/train_py_a.log" | tail -12 ;;
+  trainpy-b)
+    python3 bench/bench_train_py.py --shape llama3.2-3b --seq-length 32768 --configs gpu --ga 1 4 --steps 3 \
+      --work /tmp/trainpy 2>&1 | grep -v Warn | tee "$OUT/train_py_b.log" | tail -12 ;;
+  *) echo "usage: $0 keep|install|kernels|step|trainpy-a|trainpy-b" >&2; exit 2 ;;
 esac

@@ -6,13 +6,18 @@
                                            rank, world_size, device)
 
 Modes (``SEQ_ALGOS``): data_parallel, zigzag_ring_attn, dist_flash_attn, ulysses_attn, usp_attn.
-Attention functions are imported on first use (no CUDA or optional packages touched at import).
+Every name is imported on first use: ``import easy_context`` (and ``easy_context.training.args``, which
+train.py parses flags with) loads neither torch nor transformers, so a bad flag fails in milliseconds, and
+no CUDA or optional package is touched at import.
 """
-from .api import prepare_seq_parallel_inputs, seq_multiple, shard_sequence, unshard_sequence
-from .hf import apply_seq_parallel_monkey_patch
 from .registry import SEQ_ALGOS
 
 _LAZY = {
+    "prepare_seq_parallel_inputs": "easy_context.api",
+    "seq_multiple": "easy_context.api",
+    "shard_sequence": "easy_context.api",
+    "unshard_sequence": "easy_context.api",
+    "apply_seq_parallel_monkey_patch": "easy_context.hf",
     "zigzag_ring_attn_func": "easy_context.zigzag_ring_attn",
     "dist_flash_attn_func": "easy_context.dist_flash_attn",
     "ulysses_attn_func": "easy_context.ulysses_attn",
@@ -25,8 +30,14 @@ _LAZY = {
 def __getattr__(name):
     if name in _LAZY:
         import importlib
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
     raise AttributeError(f"module 'easy_context' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
 
 
 __all__ = ["SEQ_ALGOS", "apply_seq_parallel_monkey_patch", "prepare_seq_parallel_inputs", "shard_sequence",
