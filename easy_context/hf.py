@@ -110,6 +110,21 @@ def _check_layout(seq_algo, bound: _Groups, state: dict, position_ids) -> None:
             "prepare_seq_parallel_inputs (or one ParallelLayout to both: layout=..., layout.prepare_inputs)")
 
 
+def _documents(seq_algo, groups, state, position_ids):
+    """Packed documents from the position ids (restarts at 0), one all-gather per forward: every layer of
+    the forward gets the same position tensor, so the result is cached on it (weakly, with its version)."""
+    if position_ids is None:
+        return None
+    import weakref
+    from . import packing
+    hit = state.get("docs")
+    if hit is not None and hit[0]() is position_ids and hit[1] == position_ids._version:
+        return hit[2]
+    docs = packing.documents(packing.gather_positions(seq_algo, position_ids, groups))
+    state["docs"] = (weakref.ref(position_ids), position_ids._version, docs)
+    return docs
+
+
 def make_attention_fn(seq_algo: str, ring_degree: int | None = None, **groups):
     """An AttentionInterface function running ``seq_algo`` with the bound process groups
     (``ring_degree=``: usp_attn's groups built from the world on first use)."""
@@ -132,8 +147,10 @@ def make_attention_fn(seq_algo: str, ring_degree: int | None = None, **groups):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError(f"{seq_algo}: a KV cache is not supported inside sequence-parallel attention; "
                              "call the model with use_cache=False")
+        docs = _documents(seq_algo, groups, state, kwargs.get("position_ids"))
+        extra = {"docs": docs} if docs is not None else {}
         out = fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout,
-                 softmax_scale=scaling, causal=True, **groups)
+                 softmax_scale=scaling, causal=True, **groups, **extra)
         return out, None
 
     attention.seq_algo = seq_algo

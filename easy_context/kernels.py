@@ -341,23 +341,68 @@ _BACKWARD = {"fa4": _fa4_backward, "math": _math_backward, "cpu": _cpu_backward,
 # public facade
 # ----------------------------------------------------------------------------------------------
 def attn_forward(q, k, v, causal: bool = True, softmax_scale: float | None = None,
-                 backend: str | None = None):
-    """Attention of one block. Returns ``out`` (q's dtype, (B,Lq,Hq,D)) and ``lse`` (fp32, (B,Hq,Lq))."""
-    check_qkv(q, k, v, causal=causal)
+                 backend: str | None = None, docs=None):
+    """Attention of one block. Returns ``out`` (q's dtype, (B,Lq,Hq,D)) and ``lse`` (fp32, (B,Hq,Lq)).
+
+    ``docs`` (a ``packing.BlockDocs``: the global indices of the block's q and kv rows and the packed
+    documents) makes it document-masked: causal within each document by global index (``causal`` is then
+    implied), computed as dense pieces; rows the mask leaves empty get out 0 and lse -inf, and a block the
+    mask removes entirely returns None (no kernel call)."""
+    check_qkv(q, k, v, causal=causal and docs is None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _FORWARD[choose_backend(q, backend)](q, k, v, causal, scale)
+    fwd = _FORWARD[choose_backend(q, backend)]
+    if docs is not None:
+        return _doc_forward(fwd, q, k, v, scale, docs)
+    return fwd(q, k, v, causal, scale)
 
 
 def attn_backward(dout, q, k, v, out, lse, causal: bool = True, softmax_scale: float | None = None,
-                  backend: str | None = None):
+                  backend: str | None = None, docs=None):
     """Gradients of one block given the saved ``out``/``lse`` of the *whole* row (not of this block).
 
     Passing the final merged out/lse of a ring makes each block's dq/dk/dv exact contributions
     (the softmax normaliser and rowsum(dO∘O) are those of the full row).
     """
-    check_qkv(q, k, v, causal=causal)
+    check_qkv(q, k, v, causal=causal and docs is None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _BACKWARD[choose_backend(q, backend)](dout, q, k, v, out, lse, causal, scale)
+    bwd = _BACKWARD[choose_backend(q, backend)]
+    if docs is not None:
+        return _doc_backward(bwd, dout, q, k, v, out, lse, scale, docs)
+    return bwd(dout, q, k, v, out, lse, causal, scale)
+
+
+def _doc_rows(q, docs):
+    """(batch slice, pieces) pairs: all rows at once when every row is packed alike, else row by row."""
+    if docs.docs.uniform:
+        return [(slice(None), docs.pieces(0))]
+    return [(slice(b, b + 1), docs.pieces(b)) for b in range(q.shape[0])]
+
+
+def _doc_forward(fwd, q, k, v, scale, docs):
+    out = lse = None
+    for bs, pieces in _doc_rows(q, docs):
+        for qs, ks, causal in pieces:
+            o, l = fwd(q[bs, qs], k[bs, ks], v[bs, ks], causal, scale)
+            if out is None:
+                acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+                out = torch.zeros(q.shape, dtype=acc, device=q.device)
+                lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
+            merge_attn_out(out[bs, qs], lse[bs, :, qs], o, l)  # a row may get pieces of two documents' runs
+    return None if out is None else (out.to(q.dtype), lse)
+
+
+def _doc_backward(bwd, dout, q, k, v, out, lse, scale, docs):
+    grads = None
+    for bs, pieces in _doc_rows(q, docs):
+        for qs, ks, causal in pieces:
+            g = bwd(dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs], lse[bs, :, qs], causal, scale)
+            if grads is None:
+                acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+                grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
+            grads[0][bs, qs] += g[0]
+            grads[1][bs, ks] += g[1]
+            grads[2][bs, ks] += g[2]
+    return None if grads is None else tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
 def _merge(out, lse_bl, block_out, blk):

@@ -104,6 +104,27 @@ def reference_step(model, input_ids, position_ids, target_ids):
     return logits.detach(), loss.detach(), grads
 
 
+def per_document_reference(model, input_ids, position_ids, target_ids):
+    """Reference for packed rows: every document (positions restarting at 0) run through the model on its
+    own, logits concatenated back; loss = token mean over all documents; grads of that loss."""
+    model.zero_grad(set_to_none=True)
+    logits = []
+    for b in range(input_ids.shape[0]):
+        starts = (position_ids[b] == 0).nonzero().flatten().tolist()
+        if not starts or starts[0] != 0:
+            starts = [0] + starts
+        cuts = starts + [input_ids.shape[1]]
+        row = [model(input_ids[b:b + 1, s:e], position_ids=position_ids[b:b + 1, s:e], use_cache=False).logits
+               for s, e in zip(cuts[:-1], cuts[1:])]
+        logits.append(torch.cat(row, dim=1))
+    logits = torch.cat(logits, dim=0)
+    ce, n = _loss_sum_and_count(logits, target_ids)
+    loss = ce / n
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), grads
+
+
 def _sp_group(groups):
     """The process group spanning the sequence-parallel ranks (the world unless ``group`` is given)."""
     if groups and groups.get("group") is not None:
@@ -113,7 +134,7 @@ def _sp_group(groups):
 
 def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batch=2, layout_kw=None,
                             groups=None, labels_mask=None, *, patch="instance", sp_group=None,
-                            rel=1e-5, seed=0, model_kw=None, prepare_sp_model=None):
+                            rel=1e-5, seed=0, model_kw=None, prepare_sp_model=None, position_ids=None):
     """Assert that ``seq_algo`` on this sp group reproduces single-process logits, loss and grads.
 
     rank/world_size: this process in the world (used only for messages; sp rank/size come from the sp
@@ -121,12 +142,14 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
     kwargs for ``apply_seq_parallel_monkey_patch`` (``{"group": g}`` or usp's ring/ulysses groups).
     sp_group: the group over which the sequence is split and grads are summed (default: ``groups["group"]``,
     else the world). labels_mask: None | "random" | "one_rank" (every valid label on sp rank 0) | a bool
-    (batch, seq_len) tensor of valid positions. prepare_sp_model: called with the patched sequence-parallel model (not the
+    (batch, seq_len) tensor of valid positions. position_ids: packed rows (restarting at 0 per document);
+    the reference then runs every document separately (``per_document_reference``). prepare_sp_model: called with the patched sequence-parallel model (not the
     reference) before it runs. patch: "instance" (patch the model object) or "family"
     (patch the family string, build the model after, restore with "data_parallel" at the end).
     """
     layout_kw = dict(layout_kw or {})
     groups = dict(groups or {})
+    packed_positions = position_ids
     sp_group = sp_group if sp_group is not None else _sp_group(groups)
     sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
     mask_name = labels_mask if labels_mask is None or isinstance(labels_mask, str) else "tensor"
@@ -143,7 +166,13 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
                                                      labels_mask=labels_mask)
     assert (target_ids != IGNORE).any(), f"{tag}: test setup has no valid label"
     sp_model = copy.deepcopy(ref)  # identical weights, before anything touches ref
-    ref_logits, ref_loss, ref_grads = reference_step(ref, input_ids, position_ids, target_ids)
+    if packed_positions is not None:
+        position_ids = packed_positions.expand(batch, -1).clone() if packed_positions.dim() == 1 or \
+            packed_positions.shape[0] == 1 else packed_positions.clone()
+        tag = tag[:-1] + f" packed docs={int((position_ids == 0).sum())}]"
+        ref_logits, ref_loss, ref_grads = per_document_reference(ref, input_ids, position_ids, target_ids)
+    else:
+        ref_logits, ref_loss, ref_grads = reference_step(ref, input_ids, position_ids, target_ids)
 
     try:
         if patch == "family":
@@ -189,7 +218,7 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
     finally:
         if patch == "family":
             apply_seq_parallel_monkey_patch("data_parallel", family)
-    if patch == "family":
+    if patch == "family" and packed_positions is None:
         # restored: a model built now runs plain full-sequence attention again
         plain = build_model(family, seed=seed, **(model_kw or {}))
         with torch.no_grad():

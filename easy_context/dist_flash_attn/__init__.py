@@ -11,15 +11,15 @@ from .attention import (DistFlashAttnFunc, dist_flash_attn, dist_flash_attn_back
 from .schedule import Block, block_plan, num_steps, work_counts
 
 
-def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None):
+def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None):
     """flash_attn_func-style entry: local (B, S_local, H, D) shards in, local output out (GQA k/v allowed).
 
     Differentiable; runs under ``torch.inference_mode()``/``no_grad`` as a plain forward. ``group=None``
     is the world group. Raises ValueError (before any communication) for causal=False, dropout, odd W
-    or mismatched shapes.
+    or mismatched shapes. ``docs``: packed documents of the whole sequence (``easy_context.packing``).
     """
     validate(q, k, v, dropout_p, causal, group)
-    return dist_flash_attn(q, k, v, softmax_scale, group)
+    return dist_flash_attn(q, k, v, softmax_scale, group, docs=docs)
 
 
 # Selective checkpointing may keep only (out, lse) of this attention and replay them in recomputation.

@@ -109,12 +109,29 @@ def _run(rank, world, group, split, steps, backward, payload, alloc, diag, compu
 # ----------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------
-def dist_flash_attn_forward(q, k, v, softmax_scale=None, group=None, backend=None):
-    """Causal attention of the contiguous local chunk -> (out in q's dtype, lse float32 (B, Hq, L))."""
+def _docs_of(docs, blk, n, rank):
+    """Global rows of a block (contiguous layout: rank r holds [r*n, (r+1)*n)) for packed documents."""
+    if docs is None:
+        return None
+    r = blk.q_rows(n) if blk is not None else slice(0, n)
+    q_rank, kv_rank = (blk.q_rank, blk.kv_rank) if blk is not None else (rank, rank)
+    return docs.block(torch.arange(q_rank * n + r.start, q_rank * n + r.stop),
+                      torch.arange(kv_rank * n, (kv_rank + 1) * n))
+
+
+def _empty_partial(q, ct):  # a helper's block the document mask removed: a no-op for the owner's merge
+    return (torch.zeros_like(q), torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=ct,
+                                            device=q.device))
+
+
+def dist_flash_attn_forward(q, k, v, softmax_scale=None, group=None, backend=None, docs=None):
+    """Causal attention of the contiguous local chunk -> (out in q's dtype, lse float32 (B, Hq, L)).
+    ``docs``: packed documents of the whole sequence; blocks the mask removes are not computed (the
+    schedule's messages still flow: a skipped helper block sends an empty partial)."""
     rank, world = group_rank_world(group)
     scale = _scale(q, softmax_scale)
     if world == 1:
-        return kernels.attn_forward(q, k, v, True, scale, backend)
+        return kernels.attn_forward(q, k, v, True, scale, backend, docs=_docs_of(docs, None, q.shape[1], rank))
     ct = _acc_dtype(q)
     b, n, hq, _ = q.shape
     split = n >= 2  # the last step's blocks are shared by row halves (schedule.py)
@@ -124,8 +141,8 @@ def dist_flash_attn_forward(q, k, v, softmax_scale=None, group=None, backend=Non
     def rows(m, who):  # the q rows of message m's block, as run by rank ``who``
         return plans[who][m.step].q_rows(n)
 
-    def diag():  # runs while the first exchange is in flight
-        o0, l0 = kernels.attn_forward(q, k, v, True, scale, backend)
+    def diag():  # runs while the first exchange is in flight (every row sees itself: never empty)
+        o0, l0 = kernels.attn_forward(q, k, v, True, scale, backend, docs=_docs_of(docs, None, n, rank))
         acc.update(out=o0.to(ct), lse=l0.to(ct, copy=True))
 
     def payload(m, results):
@@ -146,11 +163,13 @@ def dist_flash_attn_forward(q, k, v, softmax_scale=None, group=None, backend=Non
     def compute(blk, got):
         if blk.role(rank) == "own":  # my queries vs an earlier rank's kv: merge locally
             r = blk.q_rows(n)
-            o, lse = kernels.attn_forward(q[:, r], got[0], got[1], False, scale, backend)
-            kernels.merge_attn_out(acc["out"][:, r], acc["lse"][:, :, r], o, lse)
+            res = kernels.attn_forward(q[:, r], got[0], got[1], False, scale, backend, docs=_docs_of(docs, blk, n, rank))
+            if res is not None:
+                kernels.merge_attn_out(acc["out"][:, r], acc["lse"][:, :, r], *res)
             return None
-        o, lse = kernels.attn_forward(got[0], k, v, False, scale, backend)  # helper: their q, my kv
-        return (o, lse.to(ct))
+        # helper: their q, my kv
+        res = kernels.attn_forward(got[0], k, v, False, scale, backend, docs=_docs_of(docs, blk, n, rank))
+        return _empty_partial(got[0], ct) if res is None else (res[0], res[1].to(ct))
 
     def consume(m, bufs):  # a helper's partial result for (some rows of) my queries
         r = rows(m, m.src)
@@ -164,7 +183,7 @@ def dist_flash_attn_forward(q, k, v, softmax_scale=None, group=None, backend=Non
 # ----------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------
-def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=None, backend=None):
+def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=None, backend=None, docs=None):
     """Gradients from the saved q, k, v and the *final* out/lse; the forward schedule in reverse order.
 
     Owners compute dq for their queries and dk/dv for the remote kv (sent back to its owner); helpers
@@ -174,7 +193,8 @@ def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=
     scale = _scale(q, softmax_scale)
     dout = dout.contiguous()
     if world == 1:
-        return kernels.attn_backward(dout, q, k, v, out, lse, True, scale, backend)
+        return kernels.attn_backward(dout, q, k, v, out, lse, True, scale, backend,
+                                     docs=_docs_of(docs, None, q.shape[1], rank))
     n = q.shape[1]
     split = n >= 2
     plans = all_plans(world, split)
@@ -184,7 +204,8 @@ def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=
         return plans[who][m.step].q_rows(n)
 
     def diag():
-        dq, dk, dv = kernels.attn_backward(dout, q, k, v, out, lse, True, scale, backend)
+        dq, dk, dv = kernels.attn_backward(dout, q, k, v, out, lse, True, scale, backend,
+                                           docs=_docs_of(docs, None, n, rank))
         ct = _acc_dtype(q)
         acc.update(dq=dq.to(ct), dk=dk.to(ct), dv=dv.to(ct))
 
@@ -207,14 +228,19 @@ def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=
     def compute(blk, got):
         if blk.role(rank) == "own":
             r = blk.q_rows(n)
-            dq, dk, dv = kernels.attn_backward(dout[:, r], q[:, r], got[0], got[1], out[:, r], lse[:, :, r],
-                                               False, scale, backend)
-            acc["dq"][:, r] += dq
-            return (dk, dv)  # belongs to the kv owner
-        dq, dk, dv = kernels.attn_backward(got[1], got[0], k, v, got[2], got[3], False, scale, backend)
-        acc["dk"] += dk
-        acc["dv"] += dv
-        return (dq,)  # belongs to the query owner
+            res = kernels.attn_backward(dout[:, r], q[:, r], got[0], got[1], out[:, r], lse[:, :, r],
+                                        False, scale, backend, docs=_docs_of(docs, blk, n, rank))
+            if res is None:  # masked out: the kv owner still expects its (zero) grads
+                return (torch.zeros_like(got[0]), torch.zeros_like(got[1]))
+            acc["dq"][:, r] += res[0]
+            return res[1:]  # belongs to the kv owner
+        res = kernels.attn_backward(got[1], got[0], k, v, got[2], got[3], False, scale, backend,
+                                    docs=_docs_of(docs, blk, n, rank))
+        if res is None:
+            return (torch.zeros_like(got[0]),)
+        acc["dk"] += res[1]
+        acc["dv"] += res[2]
+        return (res[0],)  # belongs to the query owner
 
     def consume(m, bufs):
         if m.kind == "dkv":
@@ -231,32 +257,32 @@ def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=
 # ----------------------------------------------------------------------------------------------
 # autograd
 # ----------------------------------------------------------------------------------------------
-def _forward_cached(q, k, v, softmax_scale, group, backend):
+def _forward_cached(q, k, v, softmax_scale, group, backend, docs=None):
     # Under selective checkpointing the layer's recomputation gets the stored (out, lse) back instead of
     # running (and communicating) the distributed forward again — LightSeq's rematerialisation-aware
     # checkpointing; see easy_context/memory/selective.py.
     from ..memory.selective import cached_attention  # lazy: keeps the memory package off the import path
-    return cached_attention(lambda: dist_flash_attn_forward(q, k, v, softmax_scale, group, backend))
+    return cached_attention(lambda: dist_flash_attn_forward(q, k, v, softmax_scale, group, backend, docs))
 
 
 class DistFlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, group, backend):
-        out, lse = _forward_cached(q, k, v, softmax_scale, group, backend)
+    def forward(ctx, q, k, v, softmax_scale, group, backend, docs=None):
+        out, lse = _forward_cached(q, k, v, softmax_scale, group, backend, docs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.group, ctx.backend = softmax_scale, group, backend
+        ctx.softmax_scale, ctx.group, ctx.backend, ctx.docs = softmax_scale, group, backend, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = dist_flash_attn_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.group,
-                                              ctx.backend)
-        return dq, dk, dv, None, None, None
+                                              ctx.backend, ctx.docs)
+        return dq, dk, dv, None, None, None, None
 
 
-def dist_flash_attn(q, k, v, softmax_scale=None, group=None, backend=None):
+def dist_flash_attn(q, k, v, softmax_scale=None, group=None, backend=None, docs=None):
     """Differentiable when grads are needed; a plain forward otherwise (inference_mode, no_grad)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return DistFlashAttnFunc.apply(q, k, v, softmax_scale, group, backend)
-    return _forward_cached(q, k, v, softmax_scale, group, backend)[0]
+        return DistFlashAttnFunc.apply(q, k, v, softmax_scale, group, backend, docs)
+    return _forward_cached(q, k, v, softmax_scale, group, backend, docs)[0]

@@ -135,18 +135,27 @@ def head_parallel_forward(q, k, v, rep, world, group, attend):
     return out, (*qkv, outh, lse)
 
 
-def ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group=None):
-    """Returns out (B, S/W, Hq, D) and what the backward needs (head-sharded q/k/v/out and lse)."""
+def _full_docs(docs, length):
+    """The gathered sequence is the whole sequence in order: one diagonal block over global 0..L-1."""
+    if docs is None:
+        return None
+    idx = torch.arange(length)
+    return docs.block(idx, idx)
+
+
+def ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group=None, docs=None):
+    """Returns out (B, S/W, Hq, D) and what the backward needs (head-sharded q/k/v/out and lse).
+    ``docs``: packed documents of the sequence (causal within each one)."""
     return head_parallel_forward(q, k, v, rep, world, group, lambda qh, kh, vh: kernels.attn_forward(
-        qh, kh, vh, causal=causal, softmax_scale=softmax_scale))
+        qh, kh, vh, causal=causal, softmax_scale=softmax_scale, docs=_full_docs(docs, qh.shape[1])))
 
 
-def ulysses_backward(dout, saved, causal, softmax_scale, rep, world, group=None):
+def ulysses_backward(dout, saved, causal, softmax_scale, rep, world, group=None, docs=None):
     qh, kh, vh, outh, lse = saved
     # 1. dout to head shards, 2. the kernel's backward on this rank's heads (grads of replicas included)
     (douth,) = seq_to_heads([dout], world, group)
     dqh, dkh, dvh = kernels.attn_backward(douth, qh, kh, vh, outh, lse, causal=causal,
-                                          softmax_scale=softmax_scale)
+                                          softmax_scale=softmax_scale, docs=_full_docs(docs, qh.shape[1]))
     # 3. one all-to-all back to sequence shards; 4. sum the replicas' kv grads
     dq, dk, dv = heads_to_seq([dqh, dkh, dvh], world, group)
     return dq, reduce_kv_grad(dk, rep), reduce_kv_grad(dv, rep)
@@ -154,21 +163,24 @@ def ulysses_backward(dout, saved, causal, softmax_scale, rep, world, group=None)
 
 class UlyssesAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, rep, group):
+    def forward(ctx, q, k, v, causal, softmax_scale, rep, group, docs=None):
         _, world = group_rank_world(group)
-        out, saved = ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group)
+        out, saved = ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group, docs)
         ctx.save_for_backward(*saved)
-        ctx.args = (causal, softmax_scale, rep, world, group)
+        ctx.args = (causal, softmax_scale, rep, world, group, docs)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         dq, dk, dv = ulysses_backward(dout, ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def ulysses_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None):
+def ulysses_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None):
     """Validated entry point (see ``easy_context.ulysses_attn.ulysses_attn_func``)."""
     _, world = group_rank_world(group)
     rep = check_inputs(q, k, v, dropout_p, world)
-    return UlyssesAttnFunc.apply(q, k, v, bool(causal), softmax_scale, rep, group)
+    if docs is not None and not causal:
+        raise ValueError("ulysses_attn_func: packed documents (docs=) are causal within each document; "
+                         "pass causal=True")
+    return UlyssesAttnFunc.apply(q, k, v, bool(causal), softmax_scale, rep, group, docs)

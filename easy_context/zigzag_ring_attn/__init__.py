@@ -6,18 +6,20 @@ from .attention import (RingBlock, ZigzagRingAttnFunc, block_plan, check_inputs,
 from .layout import seq_multiple, shard, unshard
 
 
-def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None):
+def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None):
     """Causal attention of this rank's zigzag shard against the whole sequence held by ``group``.
 
     q ``(batch, seq_local, heads, head_dim)``, k/v the same with possibly fewer heads (GQA, never expanded
     over the wire); seq_local holds zigzag chunks r and 2W-1-r (``shard_sequence("zigzag_ring_attn", ...)``).
     Differentiable. ``group=None``: the world group (W=1 or no process group: plain causal attention).
     Only ``causal=True`` and ``dropout_p=0`` are supported; the kernel follows ``EASY_CONTEXT_ATTN_BACKEND``.
+    ``docs``: packed documents of the whole sequence (``easy_context.packing.documents(global_position_ids)``)
+    for causal attention within each document; the HF patch builds it from ``position_ids`` itself.
     """
     check_inputs(q, k, v, dropout_p, causal)  # before any collective
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return ZigzagRingAttnFunc.apply(q, k, v, softmax_scale, group, None)
+    return ZigzagRingAttnFunc.apply(q, k, v, softmax_scale, group, None, docs)
 
 
 zigzag_ring_attn_func.supports_attention_cache = True  # lean selective checkpointing (memory/selective.py)

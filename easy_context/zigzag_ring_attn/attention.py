@@ -31,6 +31,7 @@ import torch
 
 from .. import kernels
 from ..comm import RingComm, group_rank_world
+from ..sharding import zigzag_shard
 
 
 class RingBlock(NamedTuple):
@@ -100,10 +101,27 @@ def _ring_position(group) -> tuple[int, int]:
     return rank, world
 
 
-def zigzag_ring_forward(q, k, v, softmax_scale: float, group=None, backend: str | None = None):
-    """Returns ``out`` (q's dtype) and ``lse`` (fp32, (B, Hq, 2c)) of this rank's rows."""
+def _block_docs(docs, rank, src, world, c, blk):
+    """The block's rows as global indices (packed documents), or None for a dense block."""
+    if docs is None:
+        return None
+    n = 2 * c * world
+    q_idx = zigzag_shard(torch.arange(n), rank, world, dim=0)
+    k_idx = zigzag_shard(torch.arange(n), src, world, dim=0)
+    return docs.block(q_idx[blk.q_slice(c)], k_idx[blk.kv_slice(c)])
+
+
+def zigzag_ring_forward(q, k, v, softmax_scale: float, group=None, backend: str | None = None, docs=None):
+    """Returns ``out`` (q's dtype) and ``lse`` (fp32, (B, Hq, 2c)) of this rank's rows.
+
+    ``docs`` (``packing.Documents`` of the global sequence): causal within packed documents; ring steps whose
+    kv rows all lie in documents that ended before this rank's q rows start compute nothing (no kernel, no merge).
+    """
     rank, world = _ring_position(group)
     if world == 1:
+        if docs is not None:
+            idx = torch.arange(q.shape[1])
+            return kernels.attn_forward(q, k, v, True, softmax_scale, backend, docs=docs.block(idx, idx))
         return kernels.attn_forward(q, k, v, True, softmax_scale, backend)
     c = q.shape[1] // 2
     comm = RingComm(group)
@@ -115,22 +133,29 @@ def zigzag_ring_forward(q, k, v, softmax_scale: float, group=None, backend: str 
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit()
         qs, ks = blk.q_slice(c), blk.kv_slice(c)
-        b_out, b_lse = kernels.attn_forward(q[:, qs], k_cur[:, ks], v_cur[:, ks], blk.causal, softmax_scale,
-                                            backend)
-        if out is None:  # step 0 covers every row (the diagonal): it initialises the fp32 accumulators
-            out, lse = b_out.to(_acc_dtype(q)), b_lse.to(_acc_dtype(q)).contiguous()
+        res = kernels.attn_forward(q[:, qs], k_cur[:, ks], v_cur[:, ks], blk.causal, softmax_scale, backend,
+                                   docs=_block_docs(docs, rank, blk.src, world, c, blk))
+        if res is None:
+            pass  # packed documents: the mask removes this whole block
+        elif out is None:  # step 0 covers every row (the diagonal): it initialises the fp32 accumulators
+            out, lse = res[0].to(_acc_dtype(q)), res[1].to(_acc_dtype(q)).contiguous()
         else:  # in place into the rows this block touched
-            kernels.merge_attn_out(out[:, qs], lse[:, :, qs], b_out, b_lse)
+            kernels.merge_attn_out(out[:, qs], lse[:, :, qs], *res)
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next
     return out.to(q.dtype), lse
 
 
-def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=None, backend: str | None = None):
+def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=None, backend: str | None = None,
+                         docs=None):
     """(dq, dk, dv) of this rank's q and own k/v, from the saved inputs and the final out/lse."""
     rank, world = _ring_position(group)
     if world == 1:
+        if docs is not None:
+            idx = torch.arange(q.shape[1])
+            return kernels.attn_backward(dout, q, k, v, out, lse, True, softmax_scale, backend,
+                                         docs=docs.block(idx, idx))
         return kernels.attn_backward(dout, q, k, v, out, lse, True, softmax_scale, backend)
     c = q.shape[1] // 2
     kv_comm, d_comm = RingComm(group), RingComm(group)
@@ -144,17 +169,20 @@ def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=No
             k_next, v_next = kv_comm.send_recv(k_cur), kv_comm.send_recv(v_cur)
             kv_comm.commit()
         qs, ks = blk.q_slice(c), blk.kv_slice(c)
-        b_dq, b_dk, b_dv = kernels.attn_backward(dout[:, qs], q[:, qs], k_cur[:, ks], v_cur[:, ks], out[:, qs],
-                                                 lse[:, :, qs], blk.causal, softmax_scale, backend)
-        dq[:, qs] += b_dq
+        res = kernels.attn_backward(dout[:, qs], q[:, qs], k_cur[:, ks], v_cur[:, ks], out[:, qs], lse[:, :, qs],
+                                    blk.causal, softmax_scale, backend,
+                                    docs=_block_docs(docs, rank, blk.src, world, c, blk))
+        if res is not None:
+            dq[:, qs] += res[0]
         if blk.step == 0:
             dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
         else:  # the grads of block ``src`` from the ranks it visited before (sent one step ago)
             d_comm.wait()
             dk_acc, dv_acc = dk_next, dv_next
-        dk_acc[:, ks] += b_dk
-        dv_acc[:, ks] += b_dv
+        if res is not None:  # (a block the document mask removes adds nothing; the grads still travel on)
+            dk_acc[:, ks] += res[1]
+            dv_acc[:, ks] += res[2]
         # pass them on; after the last step this delivers each block's grads back to its owner
         dk_next, dv_next = d_comm.send_recv(dk_acc), d_comm.send_recv(dv_acc)
         d_comm.commit()
@@ -167,18 +195,19 @@ def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=No
 
 class ZigzagRingAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, group, backend):
+    def forward(ctx, q, k, v, softmax_scale, group, backend, docs=None):
         # Under selective checkpointing the layer's recomputation gets (out, lse) back from the cache
         # (no ring traffic) and saves the recomputed q, k, v with them: only out + lse are kept per layer.
         from ..memory.selective import cached_attention  # lazy: keeps the memory package off the import path
-        out, lse = cached_attention(lambda: zigzag_ring_forward(q, k, v, softmax_scale, group, backend))
+        out, lse = cached_attention(lambda: zigzag_ring_forward(q, k, v, softmax_scale, group, backend, docs))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.group, ctx.backend = softmax_scale, group, backend
+        ctx.softmax_scale, ctx.group, ctx.backend, ctx.docs = softmax_scale, group, backend, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = zigzag_ring_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.group, ctx.backend)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = zigzag_ring_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.group, ctx.backend,
+                                          ctx.docs)
+        return dq, dk, dv, None, None, None, None
 

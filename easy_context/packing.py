@@ -1,0 +1,150 @@
+"""Packed documents: position_ids that restart at 0 mark documents (Hugging Face's packing convention,
+``DataCollatorWithFlattening``); attention is then causal *within* each document.
+
+Every rank learns the global boundaries itself: one all-gather of the local position ids inside the sp group
+per forward (``gather_positions``), reused by every layer (hf.py caches it per position tensor). A row
+without restarts is one document and takes the dense path unchanged (``documents`` returns None).
+
+``Documents`` holds the document id of every global token, ``(B, L)`` on the CPU. A mode describes each
+block it computes by the global indices of its q rows and kv rows; ``Documents.block(q_idx, k_idx)`` gives
+the ``BlockDocs`` the kernel facade turns into dense pieces (``pieces``):
+
+  kv run strictly before the q run    documents are contiguous, so at most one document spans both: the
+                                      rectangle (q rows of that document) x (kv rows of it), non-causal;
+                                      none -> the pair is skipped (no kernel call, no merge)
+  kv run == q run (a diagonal)        one causal piece per document inside the run
+  kv run after the q run              nothing (causal)
+So attention costs sum(doc_len^2)/2, not L^2/2, and no varlen kernel is needed off the diagonal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class PackedPositionsError(ValueError):
+    pass
+
+
+def documents(positions: torch.Tensor) -> "Documents | None":
+    """Documents of global ``positions`` (B, L); None when every row is one run of consecutive positions.
+
+    Raises ``PackedPositionsError`` naming the row and index for positions that jump inside a document
+    (a new document must restart at 0)."""
+    pos = positions.detach().to("cpu", torch.long)
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    step = pos[:, 1:] - pos[:, :-1]
+    restart = pos[:, 1:] == 0
+    bad = (step != 1) & ~restart
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise PackedPositionsError(
+            f"position_ids row {b} jumps from {int(pos[b, i])} to {int(pos[b, i + 1])} at index {i + 1}: inside a "
+            "document positions must increase by 1, and a new (packed) document must restart at 0")
+    if not bool(restart.any()):
+        return None
+    starts = torch.zeros_like(pos, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = restart
+    return Documents(torch.cumsum(starts.long(), dim=1) - 1)
+
+
+@dataclass
+class Documents:
+    doc_ids: torch.Tensor  # (B, L) long, CPU, nondecreasing per row, starting at 0
+
+    def __post_init__(self):
+        self.uniform = bool((self.doc_ids == self.doc_ids[:1]).all())  # every batch row packed alike
+        self._pieces: dict = {}
+
+    @property
+    def length(self) -> int:
+        return self.doc_ids.shape[1]
+
+    def block(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> "BlockDocs":
+        return BlockDocs(self, q_idx.cpu(), k_idx.cpu())
+
+    def count(self) -> int:
+        return int(self.doc_ids[:, -1].max()) + 1
+
+
+def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive global indices: (offset in the block, global start, length)."""
+    cuts = [0] + ((idx[1:] != idx[:-1] + 1).nonzero().flatten() + 1).tolist() + [len(idx)]
+    return [(s, int(idx[s]), e - s) for s, e in zip(cuts[:-1], cuts[1:])]
+
+
+@dataclass
+class BlockDocs:
+    """One block's rows (global indices of its q and kv rows) and the documents they lie in."""
+    docs: Documents
+    q_idx: torch.Tensor
+    k_idx: torch.Tensor
+
+    def pieces(self, row: int = 0) -> list[tuple[slice, slice, bool]]:
+        """Dense sub-blocks (q rows, kv rows, causal) of batch row ``row`` that the document mask keeps
+        (cached on the Documents: every layer asks for the same blocks)."""
+        qr, kr = _runs(self.q_idx), _runs(self.k_idx)
+        key = (tuple(qr), tuple(kr), row if not self.docs.uniform else 0)
+        hit = self.docs._pieces.get(key)
+        if hit is None:
+            hit = self.docs._pieces[key] = _pieces(self.docs.doc_ids[key[2]], qr, kr)
+        return hit
+
+
+def _pieces(d: torch.Tensor, q_runs, k_runs) -> list[tuple[slice, slice, bool]]:
+    out = []
+    for qo, qa, qn in q_runs:
+        for ko, ka, kn in k_runs:
+            if ka == qa and kn == qn:  # a diagonal run: one causal piece per document
+                seg = d[qa:qa + qn]
+                cuts = [0] + ((seg[1:] != seg[:-1]).nonzero().flatten() + 1).tolist() + [qn]
+                out += [(slice(qo + s, qo + e), slice(ko + s, ko + e), True) for s, e in zip(cuts[:-1], cuts[1:])]
+            elif ka + kn <= qa:  # kv strictly before q: the one document spanning both, if any
+                doc = int(d[qa])
+                if int(d[ka + kn - 1]) != doc:
+                    continue  # every kv document ended before the q documents start: skipped
+                qe = int((d[qa:qa + qn] == doc).sum())
+                ks = kn - int((d[ka:ka + kn] == doc).sum())
+                out.append((slice(qo, qo + qe), slice(ko + ks, ko + kn), False))
+            elif ka >= qa + qn:
+                continue  # kv after q: masked by causality
+            else:
+                raise AssertionError(f"q run [{qa}, {qa + qn}) and kv run [{ka}, {ka + kn}) partly overlap: "
+                                     "not a block of a causal schedule")
+    return out
+
+
+def gather_positions(seq_algo: str, local: torch.Tensor, groups: dict) -> torch.Tensor:
+    """The global (B, L) positions of the sequence this sp group shares, from every rank's local ones."""
+    import torch.distributed as dist
+
+    from .api import unshard_sequence
+
+    def gather(t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return parts
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    if seq_algo == "usp_attn":  # Ulysses pieces form the ring rank's zigzag-local sequence; then the ring
+        from .usp.attention import resolve_groups
+        ring_group, r, u, uly_group = resolve_groups(groups.get("ring_group"), groups.get("ulysses_group"))
+        local = torch.cat(gather(local, uly_group), dim=1) if u > 1 else local
+        return unshard_sequence("zigzag_ring_attn", gather(local, ring_group), dim=1) if r > 1 else local
+    group = groups.get("group")
+    if dist.get_world_size(group) == 1:
+        return local
+    return unshard_sequence(seq_algo, gather(local, group), dim=1)
+
+
+def global_indices(seq_algo: str, length: int, rank: int, world: int) -> torch.Tensor:
+    """Global indices of ``rank``'s local rows in ``seq_algo``'s layout (a sequence of ``length``)."""
+    from .api import shard_sequence
+    return shard_sequence(seq_algo, torch.arange(length), rank, world, dim=0)
+
+
+__all__ = ["documents", "Documents", "BlockDocs", "PackedPositionsError", "gather_positions", "global_indices"]

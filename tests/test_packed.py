@@ -1,0 +1,169 @@
+"""Packed documents (position_ids restarting at 0) under every mode: per-document causal attention.
+
+Model level (W=2 and W=4, every mode, USP as 2x2, fp32 CPU): logits, loss and every parameter gradient equal a
+single-process reference that runs each document separately — one document, many short ones incl. a
+1-token document, boundaries on and off shard/zigzag-chunk edges, different packings per batch row; GQA
+(4 q / 2 kv heads). Kernel level: the facade's document mask vs float64 per-document attention, and the
+block skip counted for a row of many short documents.
+"""
+import pytest
+import torch
+
+from easy_context import kernels, packing
+from tests.harness import run_ranks
+from tests.tols import assert_close
+
+
+def _positions(lengths):
+    return torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# pure logic
+# ----------------------------------------------------------------------------------------------
+def test_documents_from_positions():
+    assert packing.documents(torch.arange(10).unsqueeze(0)) is None          # one document: dense path
+    assert packing.documents(torch.arange(5, 15).unsqueeze(0)) is None       # a continued document too
+    d = packing.documents(_positions([3, 1, 4]))
+    assert d.doc_ids.tolist() == [[0, 0, 0, 1, 2, 2, 2, 2]] and d.count() == 3
+    with pytest.raises(packing.PackedPositionsError, match=r"row 1 jumps from 2 to 5 at index 3"):
+        packing.documents(torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 5, 6]]))
+    with pytest.raises(packing.PackedPositionsError, match="must restart at 0"):
+        packing.documents(torch.tensor([[0, 1, 2, 1, 2]]))
+
+
+def test_block_pieces():
+    docs = packing.documents(_positions([3, 6, 2, 5]))  # documents [0,3) [3,9) [9,11) [11,16)
+    diag = docs.block(torch.arange(4, 12), torch.arange(4, 12)).pieces()
+    assert [(q.start, q.stop, k.start, k.stop, c) for q, k, c in diag] == \
+        [(0, 5, 0, 5, True), (5, 7, 5, 7, True), (7, 8, 7, 8, True)]
+    # kv [0, 4) before q [4, 8): only document [3, 9) spans both -> q rows 4..8 x kv row 3
+    rect = docs.block(torch.arange(4, 8), torch.arange(0, 4)).pieces()
+    assert [(q.start, q.stop, k.start, k.stop, c) for q, k, c in rect] == [(0, 4, 3, 4, False)]
+    assert docs.block(torch.arange(12, 16), torch.arange(0, 8)).pieces() == []  # ended before: skipped
+    # a zigzag local pair (chunks 0 and 3 of 4): q chunk 0 vs kv chunk 1 is masked by causality
+    pair = torch.cat([torch.arange(0, 4), torch.arange(12, 16)])
+    got = docs.block(pair, pair).pieces()
+    assert [(q.start, q.stop, k.start, k.stop, c) for q, k, c in got] == \
+        [(0, 3, 0, 3, True), (3, 4, 3, 4, True), (4, 8, 4, 8, True)]
+
+
+@pytest.mark.parametrize("lengths", [[40], [7, 1, 13, 19], [1] * 5 + [35], [16, 16, 8]])
+def test_facade_document_mask_matches_per_document_attention(lengths):
+    g = torch.Generator().manual_seed(len(lengths))
+    n = sum(lengths)
+    q, do = (torch.randn(2, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    docs = packing.documents(_positions(lengths).expand(2, -1))
+    if docs is None:
+        docs = packing.Documents(torch.zeros(2, n, dtype=torch.long))
+    idx = torch.arange(n)
+    out, lse = kernels.attn_forward(q, k, v, True, 0.3, "math", docs=docs.block(idx, idx))
+    dq, dk, dv = kernels.attn_backward(do, q, k, v, out, lse, True, 0.3, "math", docs=docs.block(idx, idx))
+    s = 0
+    for m in lengths:
+        sl = slice(s, s + m)
+        qr, kr, vr = (t[:, sl].clone().requires_grad_() for t in (q, k, v))
+        ro, rl = kernels.attention_reference(qr, kr, vr, True, 0.3)
+        ro.backward(do[:, sl])
+        for a, b, name in ((out[:, sl], ro, "out"), (lse[:, :, sl], rl, "lse"), (dq[:, sl], qr.grad, "dq"),
+                           (dk[:, sl], kr.grad, "dk"), (dv[:, sl], vr.grad, "dv")):
+            if name in ("dq", "dk") and m == 1:
+                assert a.abs().max() < 1e-12, f"{name} of a 1-token document must be 0"
+                continue
+            assert_close(a, b, 1e-10, f"{name} doc of {m} at {s}")
+        s += m
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-rank: models and block counting
+# ----------------------------------------------------------------------------------------------
+def _packings(seq_len, world):
+    c = seq_len // (2 * world)  # zigzag chunk; contiguous shards are 2c
+    return {
+        "many short + 1-token doc": _positions([5, 1, 7, 3, 2, seq_len - 18]),
+        "edges on chunks": _positions([c, c, 2 * c, seq_len - 4 * c]),
+        "edges off chunks": _positions([c - 3, 2 * c + 5, seq_len - 3 * c - 2]),
+        "per-row packings": torch.cat([_positions([seq_len - 1, 1]), _positions([1, 9, seq_len - 10])]),
+    }
+
+
+def _model_body(rank, world_size):
+    from easy_context import ParallelLayout
+    from tests.model_equiv import check_model_equivalence
+    seq_len = 48
+    modes = [("zigzag_ring_attn", {}, {}), ("dist_flash_attn", {}, {}), ("ulysses_attn", {}, {})]
+    if world_size == 4:
+        usp = ParallelLayout.build("usp_attn", ring_degree=2)
+        modes.append(("usp_attn", usp.layout_kw, usp.attn_groups()))
+    for mode, layout_kw, groups in modes:
+        for name, pos in _packings(seq_len, world_size).items():
+            check_model_equivalence(rank, world_size, mode, "llama", seq_len=seq_len, layout_kw=layout_kw,
+                                    groups=groups, position_ids=pos, labels_mask="random")
+    # a family patch and qwen2 (bias) once per world size
+    check_model_equivalence(rank, world_size, "zigzag_ring_attn", "qwen2", seq_len=seq_len, patch="family",
+                            position_ids=_packings(seq_len, world_size)["edges off chunks"])
+    if world_size == 4:
+        _count_skipped_blocks(rank, world_size)
+        _bad_positions_error(rank, world_size)
+
+
+def _count_skipped_blocks(rank, world_size):
+    """Many short documents: most ring steps' kv blocks end before the q rows start -> no kernel, no merge."""
+    from easy_context import zigzag_ring_attn_func
+    from easy_context.zigzag_ring_attn.attention import zigzag_ring_forward
+    seq_len, calls = 64, {"fwd": 0, "merge": 0}
+    orig_fwd, orig_merge = kernels._FORWARD["cpu"], kernels.merge_attn_out
+
+    def fwd(*a):
+        calls["fwd"] += 1
+        return orig_fwd(*a)
+
+    def merge(*a):
+        calls["merge"] += 1
+        return orig_merge(*a)
+    kernels._FORWARD["cpu"], kernels.merge_attn_out = fwd, merge
+    try:
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(1, seq_len, 2, 8, generator=g) for _ in range(3))
+        from easy_context import shard_sequence
+        loc = [shard_sequence("zigzag_ring_attn", t, rank, world_size) for t in (q, k, v)]
+        dense = zigzag_ring_forward(*loc, 0.35)
+        dense_calls = dict(calls)
+        calls.update(fwd=0, merge=0)
+        docs = packing.documents(_positions([4] * 16))  # 16 documents of 4 = one per zigzag chunk half
+        packed = zigzag_ring_forward(*loc, 0.35, docs=docs)
+    finally:
+        kernels._FORWARD["cpu"], kernels.merge_attn_out = orig_fwd, orig_merge
+    # dense: W blocks, W-1 merges. Packed: chunks of 8 hold two whole documents each and no document crosses a
+    # chunk, so every off-diagonal ring step is skipped; the diagonal pair runs one causal piece per document.
+    assert dense_calls == {"fwd": world_size, "merge": world_size - 1}, dense_calls
+    assert calls == {"fwd": 4, "merge": 4}, calls  # 4 documents in the local pair, merged into the block
+    ref_o = torch.cat([kernels.attention_reference(q[:, s:s + 4], k[:, s:s + 4], v[:, s:s + 4], True, 0.35)[0]
+                       for s in range(0, seq_len, 4)], dim=1)
+    assert_close(packed[0], shard_sequence("zigzag_ring_attn", ref_o, rank, world_size), 1e-5, "skipped-ring out")
+    assert not torch.allclose(dense[0], packed[0])
+    out = zigzag_ring_attn_func(*(t.clone().requires_grad_() for t in loc), softmax_scale=0.35, docs=docs)
+    assert_close(out, shard_sequence("zigzag_ring_attn", ref_o, rank, world_size), 1e-5, "func out")
+
+
+def _bad_positions_error(rank, world_size):
+    """Positions that jump inside a document: the same clear error on every rank (no hang)."""
+    import copy
+
+    from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
+    from tests.model_equiv import build_model, make_batch
+    model = apply_seq_parallel_monkey_patch("zigzag_ring_attn", copy.deepcopy(build_model("llama")))
+    ids, _, _ = make_batch(1, 32, model.config.vocab_size)
+    pos = torch.cat([torch.arange(10), torch.arange(12, 34)]).unsqueeze(0)
+    prep = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, pos, None, rank, world_size, "cpu")
+    with pytest.raises(ValueError, match=r"position_ids row 0 jumps from 9 to 12 at index 10"):
+        model(prep["local_input_ids"], position_ids=prep["local_position_ids"], use_cache=False)
+
+
+def test_packed_models_2_ranks():
+    run_ranks(_model_body, world_size=2, timeout=300)
+
+
+def test_packed_models_4_ranks():
+    run_ranks(_model_body, world_size=4, timeout=400)
