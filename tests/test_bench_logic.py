@@ -39,3 +39,12 @@ def test_storage_census_counts_live_bytes_at_the_peak():
     assert sorted(n for _, n, _ in c.at_peak) == [1024, 2048, 2048]
     assert after == 40, after  # only v is still alive
     del v, big
+
+
+def test_packed_bench_replay_is_exact_and_counts_less_work():
+    """bench_packed's simulated packed ring equals per-document attention; its work count shrinks."""
+    from bench.bench_packed import count_only, simulate as packed_sim
+    r = packed_sim(4096, 4, 4, 32, 300, 1.0, 1, device="cpu")
+    assert float(r["err"]) < 1e-5, r
+    (row,) = count_only([8192], 4, 300, 1.0)
+    assert float(row["work_vs_stream"]) < 0.5, row

@@ -75,6 +75,70 @@ def test_facade_document_mask_matches_per_document_attention(lengths):
         s += m
 
 
+def _math_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fallback):
+    """A reference varlen kernel ((total, H, D) + cu_seqlens -> out, lse (H, total)) to exercise the
+    facade's varlen grouping on CPU the way FA4's is used on a GPU."""
+    outs, lses = [], []
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        o, l = kernels.attn_forward(q[s:e].unsqueeze(0), k[s:e].unsqueeze(0), v[s:e].unsqueeze(0), True, scale, "math")
+        outs.append(o[0])
+        lses.append(l[0])
+    _math_varlen_forward.calls += 1
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _math_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, fallback):
+    gs = []
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        t = [x[s:e].unsqueeze(0) for x in (dout, q, k, v, out)]
+        gs.append(kernels.attn_backward(*t, lse[:, s:e].unsqueeze(0), True, scale, "math"))
+    return tuple(torch.cat([g[i][0] for g in gs]) for i in range(3))
+
+
+def test_varlen_grouping_matches_per_document_calls(monkeypatch):
+    """Diagonal runs of >= VARLEN_MIN_DOCS documents go to one varlen call (FA4 on a GPU); same result."""
+    _math_varlen_forward.calls = 0
+    monkeypatch.setitem(kernels.VARLEN, "math", (_math_varlen_forward, _math_varlen_backward))
+    g = torch.Generator().manual_seed(5)
+    lengths = [3, 1, 6, 2, 5, 4, 9, 2]
+    n = sum(lengths)
+    q, do = (torch.randn(2, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    docs = packing.documents(_positions(lengths).expand(2, -1))
+    pair = torch.cat([torch.arange(0, 8), torch.arange(24, 32)])  # a zigzag-like pair of runs
+    for idx in (torch.arange(n), pair):
+        blk = docs.block(idx, idx)
+        qi, ki, vi, di = (t[:, idx] for t in (q, k, v, do))
+        got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
+        gg = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk)
+        monkeypatch.setattr(kernels, "VARLEN_MIN_DOCS", 10 ** 9)  # per-document dense calls
+        ref = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
+        rg = kernels.attn_backward(di, qi, ki, vi, *ref, True, 0.3, "math", docs=blk)
+        monkeypatch.setattr(kernels, "VARLEN_MIN_DOCS", 4)
+        for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
+            assert_close(a, b, 1e-12, f"varlen {name}")
+    assert _math_varlen_forward.calls >= 2
+
+
+@pytest.mark.gpu
+def test_facade_documents_on_gpu_match_reference():
+    """bf16 on the GPU through the auto backend (FA4's varlen when installed) vs float64 per-document math."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, 300, 77, 5, 1000, 64, 64, 64, 129]
+    n = sum(lengths)
+    q, do = (torch.randn(1, n, 8, 128, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, n, 2, 128, generator=g, dtype=torch.float64) for _ in range(2))
+    docs = packing.documents(_positions(lengths))
+    idx = torch.arange(n)
+    ref = kernels.attn_forward(q, k, v, True, None, "math", docs=docs.block(idx, idx))
+    rg = kernels.attn_backward(do, q, k, v, *ref, True, None, "math", docs=docs.block(idx, idx))
+    qb, kb, vb, db = (t.cuda().bfloat16() for t in (q, k, v, do))
+    got = kernels.attn_forward(qb, kb, vb, True, None, docs=docs.block(idx, idx))
+    gg = kernels.attn_backward(db, qb, kb, vb, *got, True, None, docs=docs.block(idx, idx))
+    for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
+        assert_close(a, b, 2e-2, f"gpu {name}")
+
+
 # ----------------------------------------------------------------------------------------------
 # multi-rank: models and block counting
 # ----------------------------------------------------------------------------------------------
