@@ -4,6 +4,7 @@
 #   bash bench/h200_fa4.sh install   # call 2, carry .fa4b: join the halves, install FA4 into /tmp/site
 #   bash bench/h200_fa4.sh kernels   # GPU tests of the facade (fa4 incl. varlen), bench_kernels, JIT/cache, 512K ring sim
 #   bash bench/h200_fa4.sh step      # bench_train_step 16K..128K: ours(fa4) vs ours(cudnn) vs plain HF
+#   bash bench/h200_fa4.sh packed    # GPU tests of document masking (fa4 varlen) + bench_packed 128K/512K W=8
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
 #   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4
 # install also installs .whl/ (deepspeed, datasets: bash ../shared/tools/device_wheels.sh ds) when carried.
@@ -29,6 +30,9 @@ case "${1:-}" in
   step)
     python3 bench/bench_train_step.py --lengths 16384 32768 65536 131072 --steps 1 --warmup 1 --compare-cudnn 2>&1 \
       | grep -v Warn | tee "$OUT/train_step.log" | tail -34 ;;
+  packed)
+    python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_packed.py tests/test_fa4_backend.py -k "gpu or varlen or facade" 2>&1 | tail -4 || true
+    python3 bench/bench_packed.py --lengths 131072 524288 --world 8 2>&1 | grep -v Warn | tee "$OUT/packed.log" | tail -16 ;;
   trainpy-a)
     python3 bench/bench_train_py.py --shape llama3.2-3b --seq-length 32768 --configs offload --ga 1 4 --steps 3 \
       --work /tmp/trainpy 2>&1 | grep -v Warn | tee "$OUT/train_py_a.log" | tail -12 ;;
