@@ -129,6 +129,12 @@ def save_heatmap(rows, path, title):
 def main(argv=None):
     args = parse_args(argv)
     lengths, depths = check_grid(args)
+    from easy_context.training.errors import UsageError
+    from easy_context.training.run_dir import check_writable_dir
+    try:  # before the model loads: results are never lost at the end
+        check_writable_dir(args.output_dir)
+    except UsageError as e:
+        raise ValueError(str(e)) from None
 
     from tqdm import tqdm
 

@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--output-file", default=None, help="CSV file to write")
     p.add_argument("--aggressive-memory", action="store_true", help="free memory after every window")
     p.add_argument("--hide-progress", action="store_true")
+    p.add_argument("--beyond-max-positions", action="store_true",
+                   help="also measure lengths above the model's max_position_embeddings (default: marked n/a)")
     p.add_argument("--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn",
                    choices=SEQ_ALGOS, help="sequence parallelism; data_parallel splits documents over ranks")
     p.add_argument("--ring_degree", type=int, default=None, help="usp_attn only: ring size")
@@ -152,7 +154,12 @@ def compute_perplexity(engine, docs, max_length, args, tokenizer, rank=0, world=
     max_tok = max_length - 1 if bos is not None else max_length
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     total = torch.zeros(2, dtype=torch.float64)
-    mine = [d for i, d in enumerate(docs) if not dp_split or i % world == rank]
+    # a document shorter than the length would be scored at its own length under this length's name: skipped
+    long_enough = [d for d in docs if len(d) >= max_tok]
+    if rank == 0 and len(long_enough) < len(docs):
+        print(f"note: ppl@{max_length}: {len(docs) - len(long_enough)} of {len(docs)} documents are shorter than "
+              f"{max_tok} tokens and are not counted" + ("" if long_enough else " (no value: n/a)"), flush=True)
+    mine = [d for i, d in enumerate(long_enough) if not dp_split or i % world == rank]
     for ids in tqdm(mine, desc=f"ppl@{max_length}", disable=rank != 0 or args.hide_progress, leave=False):
         for begin, end, trg in windows(len(ids), max_tok, args.sliding_window, args.truncate):
             inp, tgt = window_tensors(ids, begin, end, trg, bos)
@@ -170,6 +177,13 @@ def compute_perplexity(engine, docs, max_length, args, tokenizer, rank=0, world=
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.output_file:  # checked before any work: the results are never lost at the end
+        from easy_context.training.run_dir import check_writable_file
+        from easy_context.training.errors import UsageError
+        try:
+            check_writable_file(args.output_file, "--output-file")
+        except UsageError as e:
+            raise ValueError(str(e)) from None
     lengths = length_grid(args.min_tokens, args.max_tokens, args.tokens_step)
     models = [m for group in args.model for m in group]  # every -m item (EasyContext used the first only)
 
@@ -195,7 +209,14 @@ def main(argv=None):
         engine = SeqParallelLM(model, args.parallel_mode, ring_degree=args.ring_degree)
         dp_split = engine.world == 1 and world > 1
         results[name] = []
+        max_pos = getattr(model.config, "max_position_embeddings", None)
         for length in lengths:
+            if max_pos and length > max_pos and not args.beyond_max_positions:
+                if rank == 0:
+                    print(f"note: {name}: {length} tokens exceed max_position_embeddings ({max_pos}): not measured "
+                          "(n/a in the CSV; --beyond-max-positions measures it anyway)", flush=True)
+                results[name].append(float("nan"))
+                continue
             ppl, nll, count = compute_perplexity(engine, docs, length, args, tok, rank, world, dp_split, device)
             results[name].append(ppl)
             if rank == 0:

@@ -27,6 +27,7 @@ def main(argv=None):
     p.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
     p.add_argument("--no-bos", action="store_true")
     p.add_argument("--no-eos", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it holds a dataset this tool wrote")
     args = p.parse_args(argv)
     try:
         run(args)
@@ -37,11 +38,14 @@ def main(argv=None):
 def run(args):
     from transformers import AutoTokenizer
 
-    from easy_context.training.data import load_any_dataset, pack_documents
+    from easy_context.training.data import check_output_dataset, load_any_dataset, pack_documents
 
     if args.seq_length < 1:
         raise UsageError("--seq-length must be >= 1")
+    check_output_dataset(args.output, args.overwrite, inputs=(args.dataset, args.tokenizer))  # before any work
     ds = load_any_dataset(args.dataset, args.split)
+    if len(ds) == 0:
+        raise UsageError(f"--dataset {args.dataset!r} has no rows")
     if args.text_column not in ds.column_names:
         raise UsageError(f"dataset {args.dataset!r} has no {args.text_column!r} column (columns: "
                          f"{', '.join(ds.column_names)}); pass --text-column")

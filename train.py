@@ -22,22 +22,25 @@ scaling of DeepSpeed/Accelerate, so the gradient is that of the global token-mea
 Logic lives in easy_context/training; this file is the readable outline.
 """
 import datetime
+import math
 import os
 import time
 
 from easy_context.training.args import parse_args
 from easy_context.training.errors import UsageError, fail
+from easy_context.training.run_dir import exit_with_parent
 
 
 def main(argv=None):
     args = parse_args(argv)  # one-line errors for bad flags, before heavy imports
+    exit_with_parent()  # a killed launcher never leaves ranks training
     try:
         train(args)
     except UsageError as e:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # a clean exit code instead of a gloo abort
-        fail(str(e))
+        fail(str(e), code=getattr(e, "code", 2))
 
 
 def train(args):
@@ -50,13 +53,16 @@ def train(args):
     from easy_context.training import checkpoint as ckpt
     from easy_context.training.data import forever, load_any_dataset, make_loader, validate_packed
     from easy_context.training.metrics import JsonlLog, StepMetrics, postfix
-    from easy_context.training.modeling import (apply_memory_options, count_params, load_config, load_model,
-                                                load_tokenizer, save_final_model)
+    from easy_context.training import run_dir
+    from easy_context.training.modeling import (apply_memory_options, count_params, get_rope_theta, load_config,
+                                                load_model, load_tokenizer, save_final_model)
     from easy_context.training.optim import build_optimizer, configure_deepspeed, current_lr
     from easy_context.training.parallel import all_sum, build_layout, nll_sum
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
     config = load_config(args.model, args.rope_theta)
+    if args.save_rope_theta is None:  # the theta trained with (the model's own when --rope-theta is unset)
+        args.save_rope_theta = get_rope_theta(config)
     data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length)
 
     # DeepSpeed on CPU needs the gloo backend spelled out (else every rank silently gets a world of 1).
@@ -67,9 +73,20 @@ def train(args):
         log_with="wandb" if args.wandb else None,
         kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))])
     layout = build_layout(args.parallel_mode, args.sp_size, args.ring_degree, args.seq_length)  # dp x sp groups
+    # The output dir: one run at a time (lock), this run's identity, checkpoints of other runs never touched.
+    lock, found = run_dir.RunLock(args.output_dir), ckpt.list_checkpoints(args.output_dir)
+    lock.check()  # every rank reads the same files and fails alike, before any collective
+    run_dir.check_run(args.output_dir, args, found)
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
+        lock.acquire()
         ckpt.remove_stale_temps(args.output_dir)  # half-written checkpoints of a killed run
+        if args.overwrite_output_dir:
+            import shutil
+            shutil.rmtree(ckpt.ckpt_root(args.output_dir), ignore_errors=True)
+        run_dir.begin_run(args.output_dir, args, found)
+    accelerator.wait_for_everyone()
+    run_id = run_dir.read_run(args.output_dir)["run_id"]
     if args.wandb:
         accelerator.init_trackers(args.wandb, config=vars(args), init_kwargs={
             "wandb": {"name": os.path.basename(os.path.normpath(args.output_dir)), "dir": args.output_dir}})
@@ -83,7 +100,10 @@ def train(args):
     tokenizer = load_tokenizer(args.model)
     n_params = count_params(model)
     if args.parallel_mode != "data_parallel":
-        layout.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None))
+        try:
+            layout.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         apply_seq_parallel_monkey_patch(args.parallel_mode, model, layout=layout)
     apply_memory_options(model, args)
     use_ds = configure_deepspeed(accelerator, args)
@@ -98,7 +118,7 @@ def train(args):
     # 3. Resume: model, optimizer, scheduler, RNG and data position from the latest checkpoint.
     start = 0
     if args.resume:
-        path = ckpt.latest_checkpoint(args.output_dir)
+        path = run_dir.latest_good_checkpoint(ckpt.list_checkpoints(args.output_dir), run_id, accelerator.print)
         if path is None:
             accelerator.print(f"--resume: no checkpoint in {args.output_dir}, starting from step 0")
         else:
@@ -144,6 +164,9 @@ def train(args):
                     scheduler.step()
                     optimizer.zero_grad()
         loss = (all_sum(nll_window) / n_tokens).item()  # token mean over the window, all ranks
+        if not math.isfinite(loss):  # the same value on every rank: all stop, nothing is saved
+            raise UsageError(f"the loss is {loss} at step {step + 1}: stopping without saving (lower "
+                             "--learning-rate, check the data, or resume from the last checkpoint)", code=1)
         row = {"step": step + 1, "loss": loss, "lr": lr, **measure(time.perf_counter() - t0)}
         log.write(row)
         if args.wandb:
@@ -152,17 +175,18 @@ def train(args):
         bar.update(1)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.max_train_steps:
             ckpt.save_checkpoint(accelerator, args.output_dir, step + 1, args.keep_checkpoints,
-                                 {"data": loader.state_dict()})
+                                 {"data": loader.state_dict()}, run_id=run_id)
         ckpt.crash_point("step", step + 1)  # no-op unless the tests ask for a crash
     bar.close()
 
     # 5. Final model: HF safetensors + tokenizer, RoPE theta (--save-rope-theta) in config.json.
     accelerator.wait_for_everyone()
     if not args.no_save_model:
-        save_final_model(accelerator, model, tokenizer, args.output_dir, args.save_rope_theta)
+        save_final_model(accelerator, model, tokenizer, args.output_dir, args.save_rope_theta, args.seq_length)
         accelerator.print(f"saved model to {args.output_dir} (rope_theta {args.save_rope_theta:g}); "
                           f"metrics in {args.log_file}")
     accelerator.end_training()
+    lock.release()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -147,7 +147,7 @@ def test_bad_inputs_fail_early_with_one_line(toy, tmp_path):
         "short rows": (["--seq-length", "256"], "needs >= 257"),
         "missing column": (["--dataset", str(nocol), "--seq-length", "128"], "no 'input_ids' column"),
         "not divisible": (["--seq-length", "127"], "multiple of 2"),
-        "missing model": (["--model", "/nonexistent/model", "--seq-length", "128"], "does not exist"),
+        "missing model": (["--model", "/nonexistent/model", "--seq-length", "128"], "no such directory"),
     }
     for name, (extra, needle) in cases.items():
         p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *base, *extra], cwd=ROOT, env=_env(),

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=42)
     a("--max-train-steps", type=int, default=400, help="optimizer steps")
     a("--learning-rate", type=float, default=2e-5, help="peak LR; this is the LR used (also under DeepSpeed)")
-    a("--rope-theta", type=float, default=100000, help="RoPE base used for training (written into the config)")
+    a("--rope-theta", type=float, default=None,
+      help="RoPE base used for training (written into the config); default: the model's own value")
     a("--model", default="meta-llama/Llama-2-7b-hf", help="hub name or local HF directory")
     a("--dataset", default="emozilla/pg_books-tokenized-bos-eos-chunked-65536",
       help="hub name, save_to_disk dir or json/jsonl/parquet file with an input_ids column")
@@ -47,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
     a("--checkpoint-every", type=int, default=0, help="save a resumable checkpoint every N steps (0 = off)")
     a("--keep-checkpoints", type=int, default=2, help="how many periodic checkpoints to keep")
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    a("--resume", action="store_true", help="continue this output dir's run from its latest good checkpoint")
+    a("--overwrite-output-dir", action="store_true",
+      help="start a fresh run in an output dir holding another run's checkpoints (they are deleted)")
     a("--save-rope-theta", type=float, default=None,
       help="RoPE theta written into the saved config (default: --rope-theta), e.g. 1e9 for the final model")
     a("--no-save-model", action="store_true", help="skip the final HF save (benchmarks)")
@@ -66,7 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+FLOAT_FLAGS = ("--learning-rate", "--rope-theta", "--min-lr-ratio", "--weight-decay", "--max-grad-norm",
+               "--save-rope-theta", "--timeout")
+
+
+def _join_negative_numbers(argv: list[str]) -> list[str]:
+    """``--learning-rate -1e-3`` -> ``--learning-rate=-1e-3``: argparse takes "-1e-3" for a flag and says
+    "expected one argument"; joined, the value reaches our range check and its clear message."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in FLOAT_FLAGS and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1][1:2].isdigit():
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    import sys
+    argv = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
@@ -75,23 +99,53 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def looks_like_path(name: str) -> bool:
+    """A hub name is ``org/name`` (or ``name``); anything with a leading ./, ../, /, ~, more than one slash,
+    or whose first component is an existing local directory is meant as a local path."""
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name:
+        return True
+    head = name.split("/")[0]
+    return "/" in name and os.path.isdir(head)
+
+
+def check_model_path(name: str, flag: str = "--model") -> None:
+    path = os.path.expanduser(name)
+    if looks_like_path(name) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {name!r}: no such directory (a local Hugging Face model directory was meant; "
+                         "check the path, or pass a hub name like org/model)")
+
+
 def check_args(args) -> None:
     """Cheap checks that need neither torch nor the model (run before any heavy import)."""
+    import math
     for name in ("batch_size", "gradient_accumulate_every", "max_train_steps", "seq_length"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.learning_rate <= 0 or args.rope_theta <= 0:
-        raise UsageError("--learning-rate and --rope-theta must be > 0")
-    if args.warmup_steps < 0 or args.checkpoint_every < 0:
-        raise UsageError("--warmup-steps and --checkpoint-every must be >= 0")
+    for flag in FLOAT_FLAGS:
+        val = getattr(args, flag[2:].replace("-", "_"))
+        if val is not None and not math.isfinite(val):
+            raise UsageError(f"{flag} must be a finite number, got {val}")
+    for flag, val, ok, want in (
+            ("--learning-rate", args.learning_rate, args.learning_rate > 0, "> 0"),
+            ("--rope-theta", args.rope_theta, args.rope_theta is None or args.rope_theta > 0, "> 0"),
+            ("--save-rope-theta", args.save_rope_theta, args.save_rope_theta is None or args.save_rope_theta > 0, "> 0"),
+            ("--min-lr-ratio", args.min_lr_ratio, 0 <= args.min_lr_ratio <= 1, "in [0, 1]"),
+            ("--weight-decay", args.weight_decay, args.weight_decay >= 0, ">= 0"),
+            ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm >= 0, ">= 0 (0 = no clipping)"),
+            ("--timeout", args.timeout, args.timeout > 0, "> 0 seconds")):
+        if not ok:
+            raise UsageError(f"{flag} must be {want}, got {val:g}")
+    if args.warmup_steps < 0 or args.checkpoint_every < 0 or args.keep_checkpoints < 0:
+        raise UsageError("--warmup-steps, --checkpoint-every and --keep-checkpoints must be >= 0")
+    if args.resume and args.overwrite_output_dir:
+        raise UsageError("--resume continues the run in --output-dir; --overwrite-output-dir deletes it: pass one")
     if args.ring_degree is not None and args.parallel_mode != "usp_attn":
         raise UsageError(f"--ring_degree applies to usp_attn only (got --parallel_mode {args.parallel_mode})")
     if args.parallel_mode == "data_parallel" and args.sp_size not in (None, 1):
         raise UsageError("--sp-size must be 1 (or unset) with --parallel_mode data_parallel")
-    if args.save_rope_theta is None:
-        args.save_rope_theta = args.rope_theta
-    path = os.path.expanduser(args.model)
-    if path.startswith((".", "/")) and not os.path.isdir(path):
-        raise UsageError(f"--model {args.model!r} does not exist (expected a local HF model directory or a hub name)")
+    # --save-rope-theta unset: the theta used for training (the model's own when --rope-theta is unset too)
+    check_model_path(args.model)
+    from .run_dir import check_writable_dir
+    check_writable_dir(args.output_dir)
     if args.log_file is None:
         args.log_file = os.path.join(args.output_dir, "metrics.jsonl")

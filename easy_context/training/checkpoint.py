@@ -94,18 +94,24 @@ def replace_dir_contents(src: str, dst: str, last: str | None = None) -> None:
     _fsync_dir(dst)
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extra: dict | None = None) -> str:
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extra: dict | None = None,
+                    run_id: str | None = None) -> str:
+    """Save, then keep the newest ``keep`` checkpoints *of this run* (other runs' are never touched)."""
+    from .run_dir import run_of, write_manifest
     final = os.path.join(ckpt_root(output_dir), f"step-{step:07d}")
     if accelerator.is_main_process:
         os.makedirs(ckpt_root(output_dir), exist_ok=True)
     with atomic_dir(final, accelerator.is_main_process, accelerator.wait_for_everyone) as tmp:
         accelerator.save_state(tmp)
         crash_point("checkpoint", step)  # fault injection for the tests: die mid-write
+        accelerator.wait_for_everyone()  # every rank's shards are written before the manifest lists them
         if accelerator.is_main_process:
             with open(os.path.join(tmp, "train_state.json"), "w") as f:
-                json.dump({"step": step, **(extra or {})}, f)
+                json.dump({"step": step, "run_id": run_id, **(extra or {})}, f)
+            write_manifest(tmp)  # sizes + checksums, checked by --resume
     if accelerator.is_main_process and keep > 0:
-        for _, path in list_checkpoints(output_dir)[:-keep]:
+        mine = [p for _, p in list_checkpoints(output_dir) if run_of(p) in (run_id, None)]
+        for path in mine[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final

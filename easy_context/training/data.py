@@ -17,7 +17,26 @@ PREP_HINT = "tokenize and pack it with: python prepare_data.py --dataset TEXT --
 
 
 def load_any_dataset(name: str, split: str = "train"):
-    """Hub name, a ``save_to_disk`` directory, or json/jsonl/parquet/arrow/csv files."""
+    """Hub name, a ``save_to_disk`` directory, or json/jsonl/parquet/arrow/csv files; unreadable input
+    (an empty file, non-UTF-8 text, malformed json) is one UsageError line."""
+    if os.path.isfile(name) and os.path.getsize(name) == 0:
+        raise UsageError(f"dataset {name!r} is an empty file (no rows)")
+    try:
+        return _load_any_dataset(name, split)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets wraps parse errors; report the root cause in one line
+        root = e
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        if isinstance(root, UnicodeDecodeError):
+            raise UsageError(f"dataset {name!r} is not UTF-8 text ({root.reason} at byte {root.start}); convert it "
+                             "to UTF-8 first") from None
+        raise UsageError(f"cannot read dataset {name!r}: {type(root).__name__}: "
+                         f"{str(root).splitlines()[0] if str(root) else ''}") from None
+
+
+def _load_any_dataset(name: str, split: str = "train"):
     import datasets
 
     ext = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv",
@@ -49,7 +68,12 @@ def validate_packed(ds, name: str, seq_length: int):
                          + PREP_HINT.format(L=seq_length))
     ds = ds.select_columns(["input_ids"])
     if len(ds) == 0:
-        raise UsageError(f"dataset {name!r} is empty")
+        raise UsageError(f"dataset {name!r} is empty (0 rows)")
+    feat = ds.features["input_ids"]
+    inner = getattr(feat, "feature", None)
+    if inner is None or getattr(inner, "dtype", "").startswith(("string", "large_string", "float")):
+        raise UsageError(f"dataset {name!r}: 'input_ids' must be lists of token ids (integers); got {feat}. "
+                         + PREP_HINT.format(L=seq_length))
     shortest = _min_row_length(ds)
     if shortest < seq_length + 1:
         raise UsageError(f"dataset {name!r} has rows of {shortest} tokens but --seq-length {seq_length} needs "
@@ -107,14 +131,52 @@ def pack_documents(token_docs, seq_length: int, output: str, bos_id, eos_id, pro
     return output
 
 
+MARKER = ".easy_context_dataset"  # written into every dataset prepare_data.py saves
+
+
+def check_output_dataset(output: str, overwrite: bool = False, inputs: tuple = ()) -> None:
+    """Refuse to destroy what this tool did not write: ``output`` must be absent, an empty directory, or (with
+    ``overwrite``) a dataset prepare_data.py wrote; never one of the ``inputs``."""
+    real = os.path.realpath(output)
+    for src in inputs:
+        if src and os.path.exists(src) and (real == os.path.realpath(src)
+                                            or real.startswith(os.path.realpath(src).rstrip("/") + "/")):
+            raise UsageError(f"--output {output!r} is (inside) the input {src!r}; write to another directory")
+    if not os.path.exists(output):
+        check_parent = os.path.dirname(os.path.abspath(output))
+        from .run_dir import check_writable_dir
+        check_writable_dir(check_parent, "--output (its directory)")
+        return
+    if not os.path.isdir(output):
+        raise UsageError(f"--output {output!r} is a file; pass a directory path that does not exist yet")
+    if not os.listdir(output):
+        return
+    if not os.path.exists(os.path.join(output, MARKER)):
+        raise UsageError(f"--output {output!r} is a non-empty directory that prepare_data.py did not write; "
+                         "nothing was touched: choose a new directory")
+    if not overwrite:
+        raise UsageError(f"--output {output!r} already holds a prepared dataset; pass --overwrite to replace it")
+
+
 def save_dataset_atomic(ds, output: str) -> None:
-    """save_to_disk into a sibling temp dir, then rename: ``output`` is either complete or absent."""
+    """save_to_disk into a sibling temp dir, then rename: ``output`` is either complete or absent. An existing
+    ``output`` (a dataset this tool wrote, see ``check_output_dataset``) is moved aside first and removed last."""
     tmp = output.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     ds.save_to_disk(tmp)
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        f.write("written by easy_context prepare_data.py\n")
+    old = None
     if os.path.exists(output):
-        shutil.rmtree(output)
+        if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, MARKER)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UsageError(f"refusing to replace {output!r}: it is not a dataset prepare_data.py wrote")
+        old = output.rstrip("/") + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(output, old)
     os.replace(tmp, output)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def make_loader(ds, seq_algo: str, layout, batch_size: int, seq_length: int, seed: int, accelerator):

@@ -4,7 +4,11 @@ import sys
 
 
 class UsageError(Exception):
-    """Bad input the user can fix (flag, path, data). Reported as one line, exit status 2."""
+    """Bad input the user can fix (flag, path, data). Reported as one line, exit status 2 (or ``code``)."""
+
+    def __init__(self, msg: str, code: int = 2):
+        super().__init__(msg)
+        self.code = code
 
 
 def fail(msg: str, prog: str = "train.py", code: int = 2):

@@ -41,6 +41,23 @@ def postfix(m: dict) -> dict:
             "mem": f"{mem:.1f}G"}
 
 
+def _readable_lines(path: str) -> list[str]:
+    """The lines of a metrics file that parse; a torn last line (a kill mid-write) is dropped with a note."""
+    good = []
+    with open(path) as f:
+        lines = f.readlines()
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            json.loads(ln)
+        except ValueError:
+            print(f"note: {path} line {i + 1} is not valid JSON (a write cut short?); dropped", flush=True)
+            continue
+        good.append(ln if ln.endswith("\n") else ln + "\n")
+    return good
+
+
 class JsonlLog:
     """metrics.jsonl on the main process; on resume, lines after the resumed step are dropped."""
 
@@ -50,10 +67,11 @@ class JsonlLog:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             keep = []
             if resume_step and os.path.exists(path):
-                with open(path) as f:
-                    keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            with open(path, "w") as f:
+                keep = [ln for ln in _readable_lines(path) if json.loads(ln)["step"] <= resume_step]
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
                 f.writelines(keep)
+            os.replace(tmp, path)
 
     def write(self, row: dict) -> None:
         if self.enabled:

@@ -22,14 +22,18 @@ def get_rope_theta(config) -> float:
     return float(config.rope_theta)
 
 
-def load_config(name: str, rope_theta: float):
+def load_config(name: str, rope_theta: float | None):
+    """The model's config; ``rope_theta`` None keeps the model's own theta (Llama-3 5e5, Qwen 1e6, ...)."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise UsageError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
-    set_rope_theta(config, rope_theta)
+        hint = (" (if a local directory was meant: no such directory)" if "/" in name and not os.path.isdir(name)
+                else "")
+        raise UsageError(f"cannot load model {name!r}{hint}: {str(e).splitlines()[0]}") from None
+    if rope_theta is not None:
+        set_rope_theta(config, rope_theta)
     if getattr(config, "sliding_window", None) is not None:
         config.sliding_window = None  # full attention over the whole sequence (Mistral-style configs)
     return config
@@ -88,8 +92,9 @@ def apply_memory_options(model, args) -> None:
         raise UsageError(str(e)) from None
 
 
-def save_final_model(accelerator, model, tokenizer, out_dir: str, rope_theta: float) -> None:
-    """HF safetensors + tokenizer + config with ``rope_theta``; files appear atomically, config.json last."""
+def save_final_model(accelerator, model, tokenizer, out_dir: str, rope_theta: float, seq_length: int = 0) -> None:
+    """HF safetensors + tokenizer + config with ``rope_theta`` and ``max_position_embeddings`` at least the
+    trained length; files appear atomically, config.json last."""
     import copy
     import shutil
 
@@ -102,6 +107,8 @@ def save_final_model(accelerator, model, tokenizer, out_dir: str, rope_theta: fl
         unwrapped = accelerator.unwrap_model(model)
         config = copy.deepcopy(unwrapped.config)
         set_rope_theta(config, rope_theta)
+        if seq_length > getattr(config, "max_position_embeddings", 0):
+            config.max_position_embeddings = seq_length  # the length it was trained at (evals read it)
         config.use_cache = True
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         config._attn_implementation_internal = None

@@ -1,0 +1,249 @@
+"""What a run owns in its output directory: its identity, a lock, and checkpoints it can trust.
+
+* ``run.json`` (written when a run starts fresh): the run id and a fingerprint of the flags. Checkpoints carry
+  the run id; ``--resume`` continues only this directory's run, pruning only deletes this run's checkpoints,
+  and a fresh run into a directory holding another run's checkpoints is refused (``--overwrite-output-dir``
+  deletes them, ``--resume`` continues them).
+* ``run.lock`` (O_EXCL): one run per output directory. A lock whose process is dead (same host) is stale and
+  taken over with a warning; a live one is an error naming its pid and host.
+* Workers exit when their launcher dies (``exit_with_parent``: Linux PR_SET_PDEATHSIG), so a killed
+  ``accelerate launch`` never leaves ranks training into the directory.
+* ``manifest.json`` in every checkpoint: size of every file and the sha256 of the small ones; a checkpoint
+  that does not match (truncated shard, empty train_state.json) is skipped with a warning naming the file and
+  the previous good one is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+import warnings
+
+from .errors import UsageError
+
+RUN_FILE, LOCK_FILE, MANIFEST = "run.json", "run.lock", "manifest.json"
+_HASH_LIMIT = 64 << 20  # files up to this size are hashed; larger ones (weight/optimizer shards) checked by size
+
+
+# ------------------------------------------------------------------------------------------ output paths
+def check_writable_dir(path: str, flag: str = "--output-dir") -> None:
+    """``path`` is (or can be created as) a writable directory; else a UsageError naming the flag."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a file, not a directory; pass a directory path")
+    probe_dir = path
+    while not os.path.exists(probe_dir):
+        probe_dir = os.path.dirname(os.path.abspath(probe_dir))
+    if not os.path.isdir(probe_dir) or not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path!r} is not writable ({probe_dir!r} does not allow creating files); "
+                         "choose a directory you can write to")
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """An output file path whose directory exists or can be created, and that is not a directory."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a directory; pass a file path")
+    check_writable_dir(os.path.dirname(os.path.abspath(path)), flag + " (its directory)")
+
+
+# ------------------------------------------------------------------------------------------ identity
+def fingerprint(args) -> dict:
+    """The flags that define what a run trains (not how long or where it logs)."""
+    keys = ("model", "dataset", "seq_length", "learning_rate", "seed", "rope_theta", "parallel_mode",
+            "ring_degree", "sp_size", "batch_size", "gradient_accumulate_every", "lr_schedule", "warmup_steps")
+    return {k: getattr(args, k, None) for k in keys}
+
+
+def read_run(output_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(output_dir, RUN_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def check_run(output_dir: str, args, checkpoints: list) -> None:
+    """Refuse to mix runs (read-only: every rank calls it and fails alike, before any collective)."""
+    prev = read_run(output_dir)
+    if checkpoints and not args.resume:
+        if not getattr(args, "overwrite_output_dir", False):
+            steps = ", ".join(str(s) for s, _ in checkpoints[-3:])
+            who = f"run {prev['run_id']}" if prev else "an earlier run"
+            raise UsageError(f"--output-dir {output_dir!r} holds checkpoints of {who} (steps {steps}); pass "
+                             "--resume to continue it, --overwrite-output-dir to delete them and start over, "
+                             "or choose another --output-dir")
+
+
+def begin_run(output_dir: str, args, checkpoints: list) -> None:
+    """Main process, after ``check_run``: keep the run id when resuming, else write a new ``run.json``."""
+    prev = read_run(output_dir)
+    if args.resume and prev is not None:
+        return
+    run_id = "legacy" if args.resume and checkpoints else uuid.uuid4().hex[:12]  # pre-run.json dirs are adopted
+    atomic_write_json(os.path.join(output_dir, RUN_FILE),
+                      {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "flags": fingerprint(args)})
+
+
+def atomic_write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ lock
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """``OUTPUT_DIR/run.lock`` held by the main process for the whole run."""
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, LOCK_FILE)
+        self.held = False
+
+    def check(self) -> None:
+        """Read-only (every rank): fail alike when another live run holds the directory."""
+        try:
+            with open(self.path) as f:
+                other = json.load(f)
+        except (OSError, ValueError):
+            return
+        if other.get("host") == socket.gethostname() and isinstance(other.get("pid"), int) and \
+                _pid_alive(other["pid"]):
+            raise UsageError(f"--output-dir {os.path.dirname(self.path)!r} is in use by another run (pid "
+                             f"{other['pid']} on {other['host']}); wait for it, or choose another --output-dir")
+
+    def acquire(self) -> "RunLock":
+        import atexit
+        atexit.register(self.release)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    with open(self.path) as f:
+                        other = json.load(f)
+                except (OSError, ValueError):
+                    other = {}
+                same_host = other.get("host") == me["host"]
+                if same_host and isinstance(other.get("pid"), int) and _pid_alive(other["pid"]):
+                    raise UsageError(f"--output-dir {os.path.dirname(self.path)!r} is in use by another run (pid "
+                                     f"{other['pid']} on {other['host']}); wait for it, or choose another --output-dir"
+                                     ) from None
+                if not same_host and other.get("host"):
+                    raise UsageError(f"--output-dir {os.path.dirname(self.path)!r} is locked by a run on host "
+                                     f"{other['host']} (pid {other.get('pid')}); if that run is dead, delete "
+                                     f"{self.path}") from None
+                warnings.warn(f"taking over the stale lock {self.path} of a dead run (pid {other.get('pid')})",
+                              RuntimeWarning, stacklevel=2)
+                os.remove(self.path)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise UsageError(f"cannot lock {self.path}")
+
+    def release(self) -> None:
+        if self.held:
+            try:
+                os.remove(self.path)
+            except OSError:
+                pass
+            self.held = False
+
+
+def exit_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent (the launcher) dies; exit now if it already has."""
+    import signal
+    if os.environ.get("LOCAL_RANK") is None:  # not started by a launcher
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os._exit(143)
+
+
+# ------------------------------------------------------------------------------------------ manifests
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(ckpt_dir: str) -> None:
+    files = {}
+    for root, _, names in os.walk(ckpt_dir):
+        for n in names:
+            if n == MANIFEST:
+                continue
+            p = os.path.join(root, n)
+            size = os.path.getsize(p)
+            files[os.path.relpath(p, ckpt_dir)] = {"size": size, **({"sha256": _sha256(p)} if size <= _HASH_LIMIT else {})}
+    atomic_write_json(os.path.join(ckpt_dir, MANIFEST), {"files": files})
+
+
+def verify_checkpoint(ckpt_dir: str) -> str | None:
+    """None when the checkpoint matches its manifest, else what is wrong (which file)."""
+    mpath = os.path.join(ckpt_dir, MANIFEST)
+    try:
+        with open(mpath) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        files = {}  # written by an older version: only train_state.json can be checked
+    except (OSError, ValueError, KeyError):
+        return f"{mpath} is unreadable"
+    for rel, meta in files.items():
+        p = os.path.join(ckpt_dir, rel)
+        if not os.path.isfile(p):
+            return f"{p} is missing"
+        if os.path.getsize(p) != meta["size"]:
+            return f"{p} has {os.path.getsize(p)} bytes, {meta['size']} were written"
+        if "sha256" in meta and _sha256(p) != meta["sha256"]:
+            return f"{p} does not match its checksum"
+    try:
+        with open(os.path.join(ckpt_dir, "train_state.json")) as f:
+            json.load(f)["step"]
+    except (OSError, ValueError, KeyError):
+        return f"{os.path.join(ckpt_dir, 'train_state.json')} is unreadable"
+    return None
+
+
+def run_of(ckpt_dir: str) -> str | None:
+    try:
+        with open(os.path.join(ckpt_dir, "train_state.json")) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def latest_good_checkpoint(checkpoints: list, run_id: str, warn=print) -> str | None:
+    """Newest checkpoint of ``run_id`` (legacy ones without an id count as this run's) that verifies."""
+    for step, path in reversed(checkpoints):
+        owner = run_of(path)
+        if owner is not None and run_id != "legacy" and owner != run_id:
+            continue
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        warn(f"warning: checkpoint step {step} is damaged ({problem}); falling back to the previous one")
+    return None
