@@ -28,6 +28,12 @@ def main(argv=None):
     p.add_argument("--no-bos", action="store_true")
     p.add_argument("--no-eos", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it holds a dataset this tool wrote")
+    p.add_argument("--format", choices=("text", "chat"), default="text",
+                   help="text: a text column; chat: a 'messages' column (role/content), the tokenizer's chat "
+                   "template, labels only on assistant turns, whole conversations packed (see README)")
+    p.add_argument("--document-masking", action="store_true",
+                   help="text: also write position_ids restarting at 0 per document (per-document attention)")
+    p.add_argument("--messages-column", default="messages")
     args = p.parse_args(argv)
     try:
         run(args)
@@ -46,6 +52,8 @@ def run(args):
     ds = load_any_dataset(args.dataset, args.split)
     if len(ds) == 0:
         raise UsageError(f"--dataset {args.dataset!r} has no rows")
+    if args.format == "chat":
+        return run_chat(args, ds)
     if args.text_column not in ds.column_names:
         raise UsageError(f"dataset {args.dataset!r} has no {args.text_column!r} column (columns: "
                          f"{', '.join(ds.column_names)}); pass --text-column")
@@ -59,10 +67,46 @@ def run(args):
                 remove_columns=ds.column_names, num_proc=args.num_proc if len(ds) > 1000 else None, desc="tokenizing")
     bos = None if args.no_bos else tok.bos_token_id
     eos = None if args.no_eos else tok.eos_token_id
+    if args.document_masking:
+        from easy_context.training.packed_data import pack_text
+        return _save_rows(pack_text((r["ids"] for r in ds), args.seq_length, bos, eos), args, {})
     out = pack_documents((r["ids"] for r in ds), args.seq_length, args.output, bos, eos, progress=True)
     import datasets
     n = len(datasets.load_from_disk(out))
     print(f"wrote {n} rows of {args.seq_length + 1} tokens ({n * (args.seq_length + 1):,} tokens) to {out}")
+
+
+def run_chat(args, ds):
+    from transformers import AutoTokenizer
+
+    from easy_context.training.packed_data import check_chat_tokenizer, pack_examples, render_chat
+    if args.messages_column not in ds.column_names:
+        raise UsageError(f"dataset {args.dataset!r} has no {args.messages_column!r} column (columns: "
+                         f"{', '.join(ds.column_names)}); --format chat needs role/content messages")
+    try:
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot load tokenizer {args.tokenizer!r}: {str(e).splitlines()[0]}") from None
+    check_chat_tokenizer(tok, args.tokenizer)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    examples = (render_chat(tok, r[args.messages_column], i) for i, r in enumerate(ds))
+    stats: dict = {}
+    return _save_rows(pack_examples(examples, args.seq_length, pad, stats), args, stats)
+
+
+def _save_rows(rows, args, stats):
+    import datasets
+    from tqdm.auto import tqdm
+
+    from easy_context.training.data import save_dataset_atomic
+    rows = list(tqdm(rows, desc="packing", unit="row"))
+    if not rows:
+        raise UsageError(f"not enough tokens for one row of {args.seq_length + 1}")
+    feats = datasets.Features({k: datasets.Sequence(datasets.Value("int32")) for k in rows[0]})
+    save_dataset_atomic(datasets.Dataset.from_list(rows, features=feats), args.output)
+    split = f"; {stats['split']} conversations longer than a row were cut into row-sized documents" \
+        if stats.get("split") else ""
+    print(f"wrote {len(rows)} rows of {args.seq_length + 1} tokens with labels and position_ids to {args.output}{split}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def train(args):
     from easy_context.training.modeling import (apply_memory_options, count_params, get_rope_theta, load_config,
                                                 load_model, load_tokenizer, save_final_model)
     from easy_context.training.optim import build_optimizer, configure_deepspeed, current_lr
+    from easy_context.training.packed_data import batch_targets
     from easy_context.training.parallel import all_sum, build_layout, nll_sum
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
@@ -132,7 +133,6 @@ def train(args):
     tokens_per_step = args.batch_size * GA * args.seq_length * layout.dp
     measure = StepMetrics(n_params, config, args.seq_length, accelerator.num_processes, tokens_per_step)
     log = JsonlLog(args.log_file, accelerator.is_main_process, start)
-    positions = torch.arange(args.seq_length).unsqueeze(0).expand(args.batch_size, -1)
     accelerator.print(f"{args.parallel_mode} {layout}: {n_params / 1e6:.1f}M params, {tokens_per_step} tokens/step, "
                       f"{'DeepSpeed' if use_ds else 'Accelerate'}; lr {args.learning_rate:g}")
     bar = tqdm(total=args.max_train_steps, initial=start, disable=not accelerator.is_local_main_process,
@@ -145,8 +145,8 @@ def train(args):
         lr = current_lr(model, optimizer)  # the LR this step's update uses
         window = []  # this step's micro-batches, sharded for this sp rank (targets = next tokens)
         for _ in range(GA):
-            ids = next(batches).cpu()
-            window.append(layout.prepare_inputs(ids[:, :-1], positions[: len(ids)], ids[:, 1:], accelerator.device))
+            inp, pos, tgt = batch_targets(next(batches))  # optional labels / packed-document positions
+            window.append(layout.prepare_inputs(inp.cpu(), pos.cpu(), tgt.cpu(), accelerator.device))
         n_tokens = all_sum(sum((w["local_target_ids"] != -100).sum() for w in window).float()
                            .to(accelerator.device)).clamp(min=1)
         scale = accelerator.num_processes * GA / n_tokens

@@ -117,11 +117,13 @@ def _documents(seq_algo, groups, state, position_ids):
         return None
     import weakref
     from . import packing
+    # inference-mode tensors cannot change in place and carry no version counter
+    version = None if position_ids.is_inference() else position_ids._version
     hit = state.get("docs")
-    if hit is not None and hit[0]() is position_ids and hit[1] == position_ids._version:
+    if hit is not None and hit[0]() is position_ids and hit[1] == version:
         return hit[2]
     docs = packing.documents(packing.gather_positions(seq_algo, position_ids, groups))
-    state["docs"] = (weakref.ref(position_ids), position_ids._version, docs)
+    state["docs"] = (weakref.ref(position_ids), version, docs)
     return docs
 
 

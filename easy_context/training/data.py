@@ -61,12 +61,16 @@ def _load_any_dataset(name: str, split: str = "train"):
     return ds
 
 
+OPTIONAL = ("labels", "position_ids")  # packed documents / chat data (training/packed_data.py)
+
+
 def validate_packed(ds, name: str, seq_length: int):
-    """Keep only ``input_ids``; every row must hold >= seq_length + 1 tokens (checked on Arrow offsets)."""
+    """Keep ``input_ids`` (+ ``labels``/``position_ids`` when present); every row must hold >= seq_length + 1
+    tokens (checked on Arrow offsets); labels/positions rows must match (checked row by row, vectorised)."""
     if "input_ids" not in ds.column_names:
         raise UsageError(f"dataset {name!r} has no 'input_ids' column (columns: {', '.join(ds.column_names)}); "
                          + PREP_HINT.format(L=seq_length))
-    ds = ds.select_columns(["input_ids"])
+    ds = ds.select_columns(["input_ids"] + [c for c in OPTIONAL if c in ds.column_names])
     if len(ds) == 0:
         raise UsageError(f"dataset {name!r} is empty (0 rows)")
     feat = ds.features["input_ids"]
@@ -78,7 +82,44 @@ def validate_packed(ds, name: str, seq_length: int):
     if shortest < seq_length + 1:
         raise UsageError(f"dataset {name!r} has rows of {shortest} tokens but --seq-length {seq_length} needs "
                          f">= {seq_length + 1} per row; " + PREP_HINT.format(L=seq_length))
+    if len(ds.column_names) > 1:
+        _check_packed_columns(ds, name)
     return ds.with_format("torch")
+
+
+def _check_packed_columns(ds, name: str) -> None:
+    """labels / position_ids of every row: same length as input_ids; positions restart at 0 or step by 1."""
+    import numpy as np
+    import pyarrow.compute as pc
+    table = ds.data.table if ds._indices is None else ds.with_format(None).data.table
+    base = 0
+    for rb in table.to_batches(max_chunksize=256):
+        lens = pc.list_value_length(rb.column(rb.schema.get_field_index("input_ids"))).to_numpy()
+        for col in ("labels", "position_ids"):
+            if col not in rb.schema.names:
+                continue
+            arr = rb.column(rb.schema.get_field_index(col))
+            clen = pc.list_value_length(arr).to_numpy()
+            bad = np.nonzero(clen != lens)[0]
+            if len(bad):
+                r = base + int(bad[0])
+                raise UsageError(f"dataset {name!r} row {r}: {col!r} has {clen[bad[0]]} entries but 'input_ids' has "
+                                 f"{lens[bad[0]]}")
+            if col == "position_ids":
+                flat = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+                starts = np.zeros(len(flat), dtype=bool)
+                starts[np.cumsum(clen)[:-1]] = True
+                starts[0:1] = True
+                ok = starts.copy()
+                ok[1:] |= (flat[1:] == 0) | (flat[1:] == flat[:-1] + 1)
+                if not ok.all():
+                    i = int(np.nonzero(~ok)[0][0])
+                    row = int(np.searchsorted(np.cumsum(clen), i, side="right"))
+                    at = i - int(np.concatenate([[0], np.cumsum(clen)])[row])
+                    raise UsageError(f"dataset {name!r} row {base + row}: position_ids jump from {flat[i - 1]} to "
+                                     f"{flat[i]} at index {at}; inside a document they increase by 1 and a new "
+                                     "document restarts at 0")
+        base += rb.num_rows
 
 
 def _min_row_length(ds) -> int:
@@ -189,8 +230,11 @@ def make_loader(ds, seq_algo: str, layout, batch_size: int, seq_length: int, see
     if len(ds) < batch_size * layout.dp:
         raise UsageError(f"dataset has {len(ds)} rows, fewer than --batch-size x data-parallel size = "
                          f"{batch_size * layout.dp}")
-    dl = DataLoader(ds, batch_size=batch_size, shuffle=True, drop_last=True,
-                    collate_fn=lambda rows: torch.stack([r["input_ids"][: seq_length + 1] for r in rows]).long())
+    cols = [c for c in ("input_ids",) + OPTIONAL if c in ds.column_names]
+
+    def collate(rows):  # {column: (batch, seq_length + 1)}; see packed_data.batch_targets
+        return {c: torch.stack([r[c][: seq_length + 1] for r in rows]).long() for c in cols}
+    dl = DataLoader(ds, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate)
     return prepare_dataloader(seq_algo, dl, accelerator, layout=layout, seed=seed)
 
 

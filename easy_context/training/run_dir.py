@@ -106,6 +106,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _job_id() -> str:
+    """Identity of this launch, equal on all its ranks of this host: the launcher's pid (torchrun / accelerate
+    workers are its children) and rendezvous port; a process started without a launcher is its own job."""
+    if "LOCAL_RANK" in os.environ:
+        return f"{socket.gethostname()}:{os.getppid()}:{os.environ.get('MASTER_PORT', '')}"
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 class RunLock:
     """``OUTPUT_DIR/run.lock`` held by the main process for the whole run."""
 
@@ -120,6 +128,8 @@ class RunLock:
                 other = json.load(f)
         except (OSError, ValueError):
             return
+        if other.get("job") == _job_id() and other.get("pid") != os.getpid():
+            return  # the main process of our own launch got there first
         if other.get("host") == socket.gethostname() and isinstance(other.get("pid"), int) and \
                 _pid_alive(other["pid"]):
             raise UsageError(f"--output-dir {os.path.dirname(self.path)!r} is in use by another run (pid "
@@ -128,7 +138,7 @@ class RunLock:
     def acquire(self) -> "RunLock":
         import atexit
         atexit.register(self.release)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "job": _job_id(), "started": time.time()}
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
