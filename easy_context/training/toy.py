@@ -28,6 +28,28 @@ def make_corpus(n_docs: int = 200, seed: int = 0) -> list[str]:
     return docs
 
 
+# A minimal ChatML-like template: every message is "<s>role\ncontent</s>", so prefixes render as prefixes and an
+# assistant turn's tokens (with its closing </s>) are exactly what it adds.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ bos_token }}assistant\n{% endif %}")
+
+
+def make_chat_corpus(n: int = 60, seed: int = 0) -> list[list[dict]]:
+    """Conversations whose assistant answers are read off the user's text (learnable)."""
+    rng = random.Random(seed)
+    docs = make_corpus(n, seed)
+    out = []
+    for d in docs:
+        number = d.rsplit(" ", 1)[1].rstrip(".")
+        conv = [{"role": "user", "content": d + " What is the magic number?"},
+                {"role": "assistant", "content": f"The magic number is {number}."}]
+        if rng.random() < 0.5:
+            conv = [{"role": "system", "content": "Answer briefly."}] + conv + [
+                {"role": "user", "content": "Say it again."}, {"role": "assistant", "content": number}]
+        out.append(conv)
+    return out
+
+
 def build_tokenizer(texts: list[str], out_dir: str, vocab_size: int = 384):
     """Byte-level BPE (GPT-2 style) trained on ``texts``; saved as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -41,6 +63,7 @@ def build_tokenizer(texts: list[str], out_dir: str, vocab_size: int = 384):
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 
