@@ -27,9 +27,14 @@ import transformers
 
 from .registry import SEQ_ALGOS, get_algo
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# family string -> attention class in transformers.models.<family>.modeling_<family>. Every one dispatches through
+# ALL_ATTENTION_FUNCTIONS, so the SP attention needs nothing per family; MoE blocks and fused qkv are untouched.
 _ATTN_CLASS = {"llama": "LlamaAttention", "mistral": "MistralAttention", "qwen2": "Qwen2Attention",
-               "qwen3": "Qwen3Attention"}
+               "qwen3": "Qwen3Attention", "mixtral": "MixtralAttention", "qwen2_moe": "Qwen2MoeAttention",
+               "qwen3_moe": "Qwen3MoeAttention", "phi3": "Phi3Attention", "olmo2": "Olmo2Attention",
+               "gemma3": "Gemma3Attention"}
+FAMILIES = tuple(_ATTN_CLASS)
+_MODEL_TYPE_FAMILY = {"gemma3_text": "gemma3"}  # config.model_type when it differs from the module name
 # The parameters transformers 5 passes to an attention function (modeling_llama.LlamaAttention.forward).
 _EXPECTED = ("module", "query", "key", "value", "attention_mask")
 
@@ -143,9 +148,14 @@ def make_attention_fn(seq_algo: str, ring_degree: int | None = None, **groups):
         # query (B, Hq, S, D), key/value (B, Hkv, S, D): kv heads are not repeated (GQA stays on the wire).
         groups = bound.get()
         _check_layout(seq_algo, bound, state, kwargs.get("position_ids"))
+        if kwargs.get("softcap") is not None:  # Gemma 2's attn_logit_softcapping: no ring kernel applies it
+            raise ValueError(f"{seq_algo}: attention logit soft-capping (config.attn_logit_softcapping="
+                             f"{kwargs['softcap']}) is not supported by the sequence-parallel kernels; setting it "
+                             "to None gives a different model, so this family cannot be trained exactly here")
         if sliding_window is not None and sliding_window < query.shape[2] * _sp_size(algo, groups):
-            raise ValueError(f"{seq_algo}: sliding-window attention ({sliding_window}) is not supported; "
-                             "set config.sliding_window=None")
+            raise ValueError(f"{seq_algo}: sliding-window attention (window {sliding_window}) shorter than the "
+                             f"sequence ({query.shape[2] * _sp_size(algo, groups)} tokens) is not supported under "
+                             "sequence parallelism yet; a window >= the training length is exact (full causal)")
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError(f"{seq_algo}: a KV cache is not supported inside sequence-parallel attention; "
                              "call the model with use_cache=False")
@@ -268,6 +278,7 @@ def _patch_instance(seq_algo, model, groups):
     from transformers.modeling_utils import AttentionInterface
 
     family = getattr(model.config, "model_type", None)
+    family = _MODEL_TYPE_FAMILY.get(family, family)
     if family in FAMILIES:
         check_transformers_compat(family)
     if seq_algo == "data_parallel":

@@ -28,7 +28,8 @@ from easy_context import (apply_seq_parallel_monkey_patch, prepare_seq_parallel_
                           unshard_sequence)
 from tests.tols import assert_close
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # fused-op families; more in EXTRA_FAMILIES
+EXTRA_FAMILIES = ("mixtral", "qwen3_moe", "phi3", "olmo2", "gemma3")
 IGNORE = -100
 
 # Tiny but not trivial: GQA (4 q heads / 2 kv heads), head_dim 16, 2 layers, a non-default RoPE theta.
@@ -49,8 +50,24 @@ def make_config(family: str, **overrides):
         cls, kw["use_sliding_window"], kw["sliding_window"] = tf.Qwen2Config, False, None
     elif family == "qwen3":
         cls, kw["use_sliding_window"], kw["sliding_window"], kw["head_dim"] = tf.Qwen3Config, False, None, 16
+    elif family == "mixtral":  # MoE: routing is per token, so SP must leave it untouched
+        cls = tf.MixtralConfig
+        kw.update(sliding_window=None, num_local_experts=4, num_experts_per_tok=2)
+    elif family == "qwen3_moe":
+        cls = tf.Qwen3MoeConfig
+        kw.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    elif family == "phi3":  # fused qkv_proj / gate_up_proj
+        cls = tf.Phi3Config
+        kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif family == "olmo2":  # q/k RMSNorm over all heads
+        cls = tf.Olmo2Config
+        kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif family == "gemma3":  # local/global layers (window >= the length: exact), query_pre_attn_scalar, sandwich norms
+        cls = tf.Gemma3TextConfig
+        kw.update(head_dim=16, sliding_window=4096, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
+                  pad_token_id=0, bos_token_id=2, eos_token_id=1)
     else:
-        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + EXTRA_FAMILIES}")
     kw.update(overrides)
     return cls(**kw)
 
