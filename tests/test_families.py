@@ -43,6 +43,13 @@ def _w2(rank, world_size):
                          3, 4])  # documents across shard / zigzag-chunk edges, one of length 1
     for family, mode in (("mixtral", "zigzag_ring_attn"), ("gemma3", "ulysses_attn")):
         check_model_equivalence(rank, world_size, mode, family, position_ids=docs)
+    # RoPE scaling types: positions stay global, so every scaled rotary is exact under every mode
+    for rope in ({"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                 {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+                 {"rope_type": "linear", "rope_theta": 50000.0, "factor": 2.0}):
+        for mode in MODES:
+            check_model_equivalence(rank, world_size, mode, "llama", model_kw={"rope_parameters": rope})
     _refusals(rank, world_size)
     # Gemma 3's local layers really run through the SP attention (a short window is seen, and refused)
     with pytest.raises(ValueError, match="window 8"):
