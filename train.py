@@ -21,7 +21,6 @@ sum(local NLL) * world * GA / N_window, which undoes the 1/world gradient averag
 scaling of DeepSpeed/Accelerate, so the gradient is that of the global token-mean loss.
 Logic lives in easy_context/training; this file is the readable outline.
 """
-import datetime
 import math
 import os
 import time
@@ -45,20 +44,20 @@ def main(argv=None):
 
 def train(args):
     import torch
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs, set_seed
+    from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
     from easy_context import apply_seq_parallel_monkey_patch
     from easy_context.training import checkpoint as ckpt
     from easy_context.training.data import forever, load_any_dataset, make_loader, validate_packed
-    from easy_context.training.metrics import JsonlLog, StepMetrics, postfix
+    from easy_context.training.evaluate import due, eval_loss, load_eval_rows
+    from easy_context.training.metrics import JsonlLog, StepMetrics, report
     from easy_context.training import run_dir
     from easy_context.training.modeling import (apply_memory_options, count_params, get_rope_theta, load_config,
                                                 load_model, load_tokenizer, save_final_model)
     from easy_context.training.optim import build_optimizer, configure_deepspeed, current_lr
     from easy_context.training.packed_data import batch_targets
-    from easy_context.training.parallel import all_sum, build_layout, nll_sum
+    from easy_context.training.parallel import all_sum, build_layout, make_accelerator, nll_sum
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
     config = load_config(args.model, args.rope_theta)
@@ -66,13 +65,8 @@ def train(args):
         args.save_rope_theta = get_rope_theta(config)
     data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length)
 
-    # DeepSpeed on CPU needs the gloo backend spelled out (else every rank silently gets a world of 1).
-    launched = "WORLD_SIZE" in os.environ or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
-    backend = None if not launched else "nccl" if torch.cuda.is_available() else "gloo"
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulate_every, step_scheduler_with_optimizer=False,
-        log_with="wandb" if args.wandb else None,
-        kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))])
+    eval_rows = load_eval_rows(args)  # --eval-dataset: validated like --dataset, before any process group
+    accelerator = make_accelerator(args)  # gloo on CPU, nccl on GPU
     layout = build_layout(args.parallel_mode, args.sp_size, args.ring_degree, args.seq_length)  # dp x sp groups
     # The output dir: one run at a time (lock), this run's identity, checkpoints of other runs never touched.
     lock, found = run_dir.RunLock(args.output_dir), ckpt.list_checkpoints(args.output_dir)
@@ -168,11 +162,9 @@ def train(args):
             raise UsageError(f"the loss is {loss} at step {step + 1}: stopping without saving (lower "
                              "--learning-rate, check the data, or resume from the last checkpoint)", code=1)
         row = {"step": step + 1, "loss": loss, "lr": lr, **measure(time.perf_counter() - t0)}
-        log.write(row)
-        if args.wandb:
-            accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step + 1)
-        bar.set_postfix(postfix(row), refresh=False)
-        bar.update(1)
+        if due(args, step + 1):  # held-out token-mean loss, same sp layout (after the timing above)
+            row["eval_loss"] = eval_loss(model, unwrapped, eval_rows, layout, args, accelerator.device)
+        report(row, log, bar, accelerator, args.wandb)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.max_train_steps:
             ckpt.save_checkpoint(accelerator, args.output_dir, step + 1, args.keep_checkpoints,
                                  {"data": loader.state_dict()}, run_id=run_id)

@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tiled-mlp", action="store_true", help="run MLPs tile by tile along the sequence")
     a("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
       help="lean fused RMSNorm + fused RoPE (torch.compile kernels on CUDA; exact eager math on CPU)")
+    # held-out loss (easy_context/training/evaluate.py)
+    a("--eval-dataset", default=None, help="prepared dataset (like --dataset) whose first --eval-rows rows give "
+      "eval_loss, the token-mean NLL under the same sp layout; evaluated every --eval-every steps and at the end")
+    a("--eval-every", type=int, default=0, help="evaluate every N optimizer steps (0 = only after the last step)")
+    a("--eval-rows", type=int, default=16, help="held-out rows evaluated (the first K of --eval-dataset)")
+    a("--eval-split", default=None, help="split of --eval-dataset (default: --dataset-split)")
     return p
 
 
@@ -137,6 +143,10 @@ def check_args(args) -> None:
             raise UsageError(f"{flag} must be {want}, got {val:g}")
     if args.warmup_steps < 0 or args.checkpoint_every < 0 or args.keep_checkpoints < 0:
         raise UsageError("--warmup-steps, --checkpoint-every and --keep-checkpoints must be >= 0")
+    if args.eval_every < 0 or args.eval_rows < 1:
+        raise UsageError(f"--eval-every must be >= 0 and --eval-rows >= 1, got {args.eval_every} and {args.eval_rows}")
+    if args.eval_every and args.eval_dataset is None:
+        raise UsageError("--eval-every needs --eval-dataset (the held-out rows to evaluate)")
     if args.resume and args.overwrite_output_dir:
         raise UsageError("--resume continues the run in --output-dir; --overwrite-output-dir deletes it: pass one")
     if args.ring_degree is not None and args.parallel_mode != "usp_attn":

@@ -36,9 +36,20 @@ class StepMetrics:
 
 def postfix(m: dict) -> dict:
     mem = next(v for k, v in m.items() if k.startswith("peak_mem"))
-    return {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}",
-            "tok/s/gpu": f"{m['tokens_per_s_per_gpu']:.0f}", "mfu": f"{100 * m['mfu']:.1f}%",
-            "mem": f"{mem:.1f}G"}
+    out = {"loss": f"{m['loss']:.4f}"}
+    if "eval_loss" in m:
+        out["eval"] = f"{m['eval_loss']:.4f}"
+    return {**out, "tok/s": f"{m['tokens_per_s']:.0f}", "tok/s/gpu": f"{m['tokens_per_s_per_gpu']:.0f}",
+            "mfu": f"{100 * m['mfu']:.1f}%", "mem": f"{mem:.1f}G"}
+
+
+def report(row: dict, log, bar, accelerator, wandb: bool) -> None:
+    """One step's metrics to metrics.jsonl, wandb (via Accelerate's tracker) and the progress bar."""
+    log.write(row)
+    if wandb:
+        accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+    bar.set_postfix(postfix(row), refresh=False)
+    bar.update(1)
 
 
 def _readable_lines(path: str) -> list[str]:

@@ -25,6 +25,23 @@ def build_layout(seq_algo: str, sp_size: int | None, ring_degree: int | None, se
     return layout
 
 
+def make_accelerator(args):
+    """Accelerator with the flags' GA and tracker; gloo spelled out for DeepSpeed on CPU (else every rank
+    silently gets a world of 1)."""
+    import datetime
+    import os
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    launched = "WORLD_SIZE" in os.environ or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    backend = None if not launched else "nccl" if torch.cuda.is_available() else "gloo"
+    return Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulate_every, step_scheduler_with_optimizer=False,
+        log_with="wandb" if args.wandb else None,
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))])
+
+
 def all_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over every rank (dp and sp): window token counts and NLL sums."""
     if dist.is_initialized() and dist.get_world_size() > 1:
