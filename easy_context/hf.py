@@ -25,16 +25,12 @@ import inspect
 import torch
 import transformers
 
+from .families import FAMILIES as _FAMILY_TABLE
+from .families import family_of_model_type
 from .registry import SEQ_ALGOS, get_algo
 
-# family string -> attention class in transformers.models.<family>.modeling_<family>. Every one dispatches through
-# ALL_ATTENTION_FUNCTIONS, so the SP attention needs nothing per family; MoE blocks and fused qkv are untouched.
-_ATTN_CLASS = {"llama": "LlamaAttention", "mistral": "MistralAttention", "qwen2": "Qwen2Attention",
-               "qwen3": "Qwen3Attention", "mixtral": "MixtralAttention", "qwen2_moe": "Qwen2MoeAttention",
-               "qwen3_moe": "Qwen3MoeAttention", "phi3": "Phi3Attention", "olmo2": "Olmo2Attention",
-               "gemma3": "Gemma3Attention"}
-FAMILIES = tuple(_ATTN_CLASS)
-_MODEL_TYPE_FAMILY = {"gemma3_text": "gemma3"}  # config.model_type when it differs from the module name
+FAMILIES = tuple(_FAMILY_TABLE)  # family strings (one record each in families.py)
+_ATTN_CLASS = {name: f.attention for name, f in _FAMILY_TABLE.items()}
 # The parameters transformers 5 passes to an attention function (modeling_llama.LlamaAttention.forward).
 _EXPECTED = ("module", "query", "key", "value", "attention_mask")
 
@@ -278,7 +274,7 @@ def _patch_instance(seq_algo, model, groups):
     from transformers.modeling_utils import AttentionInterface
 
     family = getattr(model.config, "model_type", None)
-    family = _MODEL_TYPE_FAMILY.get(family, family)
+    family = family_of_model_type(family)
     if family in FAMILIES:
         check_transformers_compat(family)
     if seq_algo == "data_parallel":

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..families import NORM_CLASSES as KNOWN  # one record per family
 from ..ops.rms_norm import RMSNormFunction
-
-KNOWN = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
 class LeanRMSNormMixin:

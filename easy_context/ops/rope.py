@@ -19,9 +19,9 @@ import sys
 
 import torch
 
+from ..families import ROPE_ATTENTIONS as KNOWN  # one record per family
 from .jit import compiled
 
-KNOWN = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("easy_context_fused_rope", default=False)
 
 
