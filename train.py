@@ -60,7 +60,7 @@ def train(args):
     from easy_context.training.parallel import all_sum, build_layout, make_accelerator, nll_sum
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
-    config = load_config(args.model, args.rope_theta)
+    config = load_config(args.model, args.rope_theta, args)  # + --rope-scaling
     if args.save_rope_theta is None:  # the theta trained with (the model's own when --rope-theta is unset)
         args.save_rope_theta = get_rope_theta(config)
     data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length)

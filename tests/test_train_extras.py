@@ -38,18 +38,105 @@ def _close(a, b, tol=1e-4):
 
 # ---------------------------------------------------------------- end to end
 EVAL_FLAGS = ["--eval-every", "2", "--eval-rows", str(EVAL_ROWS)]
+ROPE_FLAGS = ["--rope-scaling", "yarn", "--rope-factor", "4", "--rope-original-max-positions", "32"]
 
 
 @pytest.mark.slow
-def test_eval_loss_zigzag_equals_single_process(toy, eval_data, tmp_path):  # noqa: F811
+def test_eval_loss_and_yarn_zigzag_equal_single_process(toy, eval_data, tmp_path):  # noqa: F811
+    """One launch pair: held-out eval_loss (#19) and yarn-scaled RoPE (#18), W=2 zigzag == 1 process."""
     runs = {}
     for nproc, mode in ((1, "data_parallel"), (2, "zigzag_ring_attn")):
         out = tmp_path / f"{mode}"
-        _ok(_train(nproc, out, mode, [*EVAL_FLAGS, "--eval-dataset", eval_data, "--no-save-model"]))
+        save = ["--no-save-model"] if nproc == 1 else []
+        _ok(_train(nproc, out, mode, [*EVAL_FLAGS, "--eval-dataset", eval_data, *ROPE_FLAGS, *save]))
         runs[nproc] = metrics(out)
     one, two = runs[1], runs[2]
     evals = {n: {s: r["eval_loss"] for s, r in m.items() if "eval_loss" in r} for n, m in runs.items()}
     assert sorted(evals[1]) == sorted(evals[2]) == [2, 4, STEPS], evals  # every 2 steps and at the end
     assert _close([evals[1][s] for s in (2, 4, 5)], [evals[2][s] for s in (2, 4, 5)]), evals
-    assert _close([one[s]["loss"] for s in sorted(one)], [two[s]["loss"] for s in sorted(two)])
+    assert _close([one[s]["loss"] for s in sorted(one)], [two[s]["loss"] for s in sorted(two)]), (one, two)
     assert evals[2][STEPS] < evals[2][2]  # the toy corpus is learnable, held-out rows too
+    # the scaling is trained with and saved: config.json and the reloaded model carry it (theta kept)
+    out = tmp_path / "zigzag_ring_attn"
+    rp = json.load(open(out / "config.json"))["rope_parameters"]
+    assert rp == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                  "rope_theta": 20000.0}, rp
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(str(out)).model.rotary_emb.rope_type == "yarn"
+
+
+# ---------------------------------------------------------------- RoPE scaling: fast unit tests
+def _llama_config(**kw):
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, vocab_size=64, max_position_embeddings=256, rope_theta=20000.0, **kw)
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "llama3"])
+def test_rope_scaling_config(rope_type):
+    from transformers import LlamaForCausalLM
+
+    from easy_context.training.modeling import set_rope_scaling
+    cfg = _llama_config()
+    set_rope_scaling(cfg, rope_type, 4.0, None if rope_type == "linear" else 64)
+    rp = cfg.rope_parameters
+    assert rp["rope_type"] == rope_type and rp["factor"] == 4.0 and rp["rope_theta"] == 20000.0
+    assert rp.get("original_max_position_embeddings") == (64 if rope_type in ("yarn", "llama3") else None)
+    if rope_type == "llama3":
+        assert (rp["low_freq_factor"], rp["high_freq_factor"]) == (1.0, 4.0)
+    # dynamic reads its base length from max_position_embeddings; the others name the extended length
+    assert cfg.max_position_embeddings == {"dynamic": 64, "linear": 1024}.get(rope_type, 256)
+    cfg.validate_rope()  # HF accepts it ...
+    rot = LlamaForCausalLM(cfg).model.rotary_emb  # ... and builds the scaled rotary
+    assert rot.rope_type == rope_type
+    # re-scaling replaces the previous type's keys (no llama3 leftovers in a yarn config)
+    set_rope_scaling(cfg, "yarn", 2.0, 64)
+    assert "low_freq_factor" not in cfg.rope_parameters and cfg.rope_parameters["factor"] == 2.0
+
+
+def test_rope_scaling_errors():
+    from easy_context.training.args import parse_args
+    from easy_context.training.errors import UsageError
+    from easy_context.training.modeling import check_rope_for_sp, set_rope_scaling
+    for bad in (None, 1.0, 0.5):
+        with pytest.raises(UsageError, match="--rope-factor > 1"):
+            set_rope_scaling(_llama_config(), "yarn", bad)
+    cfg = _llama_config()
+    set_rope_scaling(cfg, "dynamic", 2.0)
+    check_rope_for_sp(cfg, "data_parallel")
+    with pytest.raises(UsageError, match="sequence-parallel"):
+        check_rope_for_sp(cfg, "zigzag_ring_attn")
+    base = ["--output-dir", "/tmp/easy_context_unused_out"]
+    for argv, needle in ((["--rope-scaling", "yarn"], "needs --rope-factor > 1"),
+                         (["--rope-scaling", "yarn", "--rope-factor", "1"], "needs --rope-factor > 1"),
+                         (["--rope-factor", "4"], "need --rope-scaling"),
+                         (["--rope-scaling", "linear", "--rope-factor", "2", "--rope-original-max-positions", "8"],
+                          "linear scaling has no original length"),
+                         (["--rope-scaling", "dynamic", "--rope-factor", "2"], "sequence-parallel"),
+                         (["--eval-every", "2"], "needs --eval-dataset")):
+        with pytest.raises(SystemExit):
+            parse_args(base + argv)
+
+
+def test_fused_rope_is_exact_under_yarn():
+    """The fused RoPE consumes the cos/sin of the model's (scaled) rotary module: same logits and grads."""
+    import copy
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from easy_context.ops import apply_fused_ops
+    from easy_context.training.modeling import set_rope_scaling
+    torch.manual_seed(0)
+    cfg = _llama_config()
+    set_rope_scaling(cfg, "yarn", 4.0, 16)
+    ref = LlamaForCausalLM(cfg).float()
+    fused = copy.deepcopy(ref)
+    assert apply_fused_ops(fused, norms=False)["rope"] == 1
+    ids = torch.randint(0, 64, (1, 48))
+    outs = []
+    for m in (ref, fused):
+        out = m(input_ids=ids).logits
+        out.square().sum().backward()
+        outs.append((out.detach(), m.model.layers[0].self_attn.q_proj.weight.grad))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)

@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--learning-rate", type=float, default=2e-5, help="peak LR; this is the LR used (also under DeepSpeed)")
     a("--rope-theta", type=float, default=None,
       help="RoPE base used for training (written into the config); default: the model's own value")
+    a("--rope-scaling", choices=("linear", "dynamic", "yarn", "llama3"), default=None,
+      help="RoPE scaling written into config.rope_parameters before the model is built (trained and saved "
+      "with it); needs --rope-factor. dynamic: data_parallel only (its frequencies depend on the whole length)")
+    a("--rope-factor", type=float, default=None, help="--rope-scaling factor (> 1), e.g. 4 for 4x the context")
+    a("--rope-original-max-positions", type=int, default=None,
+      help="yarn/llama3/dynamic: the pretraining context length (default: the model's max_position_embeddings)")
     a("--model", default="meta-llama/Llama-2-7b-hf", help="hub name or local HF directory")
     a("--dataset", default="emozilla/pg_books-tokenized-bos-eos-chunked-65536",
       help="hub name, save_to_disk dir or json/jsonl/parquet file with an input_ids column")
@@ -75,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-FLOAT_FLAGS = ("--learning-rate", "--rope-theta", "--min-lr-ratio", "--weight-decay", "--max-grad-norm",
-               "--save-rope-theta", "--timeout")
+FLOAT_FLAGS = ("--learning-rate", "--rope-theta", "--rope-factor", "--min-lr-ratio", "--weight-decay",
+               "--max-grad-norm", "--save-rope-theta", "--timeout")
 
 
 def _join_negative_numbers(argv: list[str]) -> list[str]:
@@ -143,6 +149,19 @@ def check_args(args) -> None:
             raise UsageError(f"{flag} must be {want}, got {val:g}")
     if args.warmup_steps < 0 or args.checkpoint_every < 0 or args.keep_checkpoints < 0:
         raise UsageError("--warmup-steps, --checkpoint-every and --keep-checkpoints must be >= 0")
+    if args.rope_scaling is None and (args.rope_factor, args.rope_original_max_positions) != (None, None):
+        raise UsageError("--rope-factor / --rope-original-max-positions need --rope-scaling "
+                         "{linear,dynamic,yarn,llama3}")
+    if args.rope_scaling is not None and (args.rope_factor is None or not args.rope_factor > 1):
+        raise UsageError(f"--rope-scaling {args.rope_scaling} needs --rope-factor > 1 (e.g. 4 for 4x the context), "
+                         f"got {args.rope_factor}")
+    if args.rope_original_max_positions is not None and (args.rope_original_max_positions < 1
+                                                         or args.rope_scaling == "linear"):
+        raise UsageError("--rope-original-max-positions must be >= 1 and applies to yarn, llama3 and dynamic "
+                         "(linear scaling has no original length)")
+    if args.rope_scaling == "dynamic" and args.parallel_mode != "data_parallel":
+        raise UsageError("--rope-scaling dynamic rescales by the longest position of each forward, which a "
+                         "sequence-parallel rank sees only part of: use yarn/linear/llama3, or data_parallel")
     if args.eval_every < 0 or args.eval_rows < 1:
         raise UsageError(f"--eval-every must be >= 0 and --eval-rows >= 1, got {args.eval_every} and {args.eval_rows}")
     if args.eval_every and args.eval_dataset is None:

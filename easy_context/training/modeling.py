@@ -22,8 +22,58 @@ def get_rope_theta(config) -> float:
     return float(config.rope_theta)
 
 
-def load_config(name: str, rope_theta: float | None):
-    """The model's config; ``rope_theta`` None keeps the model's own theta (Llama-3 5e5, Qwen 1e6, ...)."""
+ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
+# keys a previous scaling may have left in rope_parameters (replaced, never mixed with the new type's)
+_SCALING_KEYS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
+                 "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate", "short_factor", "long_factor")
+LLAMA3_FREQ_FACTORS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}  # Llama 3.1's published values
+
+
+def set_rope_scaling(config, rope_type: str, factor: float, original: int | None = None) -> None:
+    """--rope-scaling: ``config.rope_parameters`` (transformers 5) gets ``rope_type`` + ``factor`` (+ the
+    pretraining length ``original_max_position_embeddings`` for yarn / llama3), theta and partial-rotary kept.
+    ``original`` defaults to the config's ``max_position_embeddings``; for yarn / llama3 / linear that becomes
+    ``original x factor`` (the extended length); dynamic NTK reads the original length from
+    ``max_position_embeddings`` itself, so there it is set to ``original``."""
+    if rope_type not in ROPE_SCALINGS:
+        raise UsageError(f"--rope-scaling must be one of {', '.join(ROPE_SCALINGS)}, got {rope_type!r}")
+    if factor is None or not factor > 1:
+        raise UsageError(f"--rope-scaling {rope_type} needs --rope-factor > 1, got {factor}")
+    rp = getattr(config, "rope_parameters", None)
+    if not isinstance(rp, dict) or not rp:
+        raise UsageError(f"--rope-scaling: model type {config.model_type!r} has no single RoPE "
+                         "(config.rope_parameters); cannot scale it")
+    if any(isinstance(v, dict) for v in rp.values()):  # per-layer-type RoPE (Gemma 3 local/global)
+        raise UsageError(f"--rope-scaling: {config.model_type!r} has a RoPE per layer type "
+                         f"({', '.join(rp)}); scaling only one global RoPE is supported")
+    original = int(original or config.max_position_embeddings)
+    new = {k: v for k, v in rp.items() if k not in _SCALING_KEYS}
+    new.setdefault("rope_theta", get_rope_theta(config))
+    new.update(rope_type=rope_type, factor=float(factor))
+    if rope_type in ("yarn", "llama3"):
+        new["original_max_position_embeddings"] = original
+    if rope_type == "llama3":
+        new.update(LLAMA3_FREQ_FACTORS)
+    config.rope_parameters = new
+    config.max_position_embeddings = original if rope_type == "dynamic" else max(
+        config.max_position_embeddings, int(original * factor))
+
+
+def check_rope_for_sp(config, parallel_mode: str) -> None:
+    """dynamic / longrope pick their frequencies from the largest position id a forward sees; a sequence-
+    parallel rank sees only its shard, so ranks (and a 1-process run) would disagree: refused."""
+    rp = getattr(config, "rope_parameters", None) or {}
+    types = {v.get("rope_type") for v in rp.values() if isinstance(v, dict)} | {rp.get("rope_type")}
+    bad = types & {"dynamic", "longrope"}
+    if bad and parallel_mode != "data_parallel":
+        raise UsageError(f"RoPE type {bad.pop()!r} rescales by the longest position of each forward, which a "
+                         f"sequence-parallel rank sees only part of; --parallel_mode {parallel_mode} would not be "
+                         "exact: use --rope-scaling yarn/linear/llama3, or --parallel_mode data_parallel")
+
+
+def load_config(name: str, rope_theta: float | None, args=None):
+    """The model's config; ``rope_theta`` None keeps the model's own theta (Llama-3 5e5, Qwen 1e6, ...);
+    ``args`` (train.py's): --rope-scaling applied and RoPE types refused under sp modes where not exact."""
     from transformers import AutoConfig
 
     try:
@@ -34,6 +84,10 @@ def load_config(name: str, rope_theta: float | None):
         raise UsageError(f"cannot load model {name!r}{hint}: {str(e).splitlines()[0]}") from None
     if rope_theta is not None:
         set_rope_theta(config, rope_theta)
+    if args is not None and args.rope_scaling:
+        set_rope_scaling(config, args.rope_scaling, args.rope_factor, args.rope_original_max_positions)
+    if args is not None:
+        check_rope_for_sp(config, args.parallel_mode)
     if getattr(config, "sliding_window", None) is not None:
         config.sliding_window = None  # full attention over the whole sequence (Mistral-style configs)
     return config
@@ -107,7 +161,8 @@ def save_final_model(accelerator, model, tokenizer, out_dir: str, rope_theta: fl
         unwrapped = accelerator.unwrap_model(model)
         config = copy.deepcopy(unwrapped.config)
         set_rope_theta(config, rope_theta)
-        if seq_length > getattr(config, "max_position_embeddings", 0):
+        dynamic = (getattr(config, "rope_parameters", None) or {}).get("rope_type") == "dynamic"
+        if seq_length > getattr(config, "max_position_embeddings", 0) and not dynamic:  # dynamic: it is the base
             config.max_position_embeddings = seq_length  # the length it was trained at (evals read it)
         config.use_cache = True
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
