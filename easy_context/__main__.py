@@ -1,0 +1,47 @@
+"""``python -m easy_context <command> ...``: the package's command-line tools.
+
+Each command lives in ``easy_context/tools/<command>.py`` with ``main(argv) -> exit status`` and is imported
+only when chosen, so one command's missing or broken module never breaks another, and ``--help`` is instant.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "check": ("easy_context.tools.check", "does sequence parallelism reproduce the single-process model "
+                                          "for a config? (logits, loss, gradients; PASS/FAIL)"),
+    "plan": ("easy_context.tools.plan", "plan a parallel layout for a model and sequence length"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items())
+    return (f"usage: python -m easy_context <command> [options]\n\ncommands:\n{rows}\n\n"
+            "python -m easy_context <command> --help for a command's options")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"python -m easy_context: error: unknown command {name!r}; commands: {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as e:
+        if e.name != COMMANDS[name][0]:
+            raise  # a dependency is missing: show the real error
+        print(f"python -m easy_context: error: command {name!r} is not available in this installation "
+              f"({e.name} not found)", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
