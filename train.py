@@ -51,6 +51,7 @@ def train(args):
     from easy_context.training import checkpoint as ckpt
     from easy_context.training.data import forever, load_any_dataset, make_loader, validate_packed
     from easy_context.training.evaluate import due, eval_loss, load_eval_rows
+    from easy_context.training.lora import apply_lora, save_lora
     from easy_context.training.metrics import JsonlLog, StepMetrics, report
     from easy_context.training import run_dir
     from easy_context.training.modeling import (apply_memory_options, count_params, get_rope_theta, load_config,
@@ -101,6 +102,7 @@ def train(args):
             raise UsageError(str(e)) from None
         apply_seq_parallel_monkey_patch(args.parallel_mode, model, layout=layout)
     apply_memory_options(model, args)
+    model = apply_lora(model, args)  # --lora-rank: PEFT adapters around the patched base (base frozen)
     use_ds = configure_deepspeed(accelerator, args)
     optimizer, scheduler = build_optimizer(model, args, use_ds)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -128,7 +130,8 @@ def train(args):
     measure = StepMetrics(n_params, config, args.seq_length, accelerator.num_processes, tokens_per_step)
     log = JsonlLog(args.log_file, accelerator.is_main_process, start)
     accelerator.print(f"{args.parallel_mode} {layout}: {n_params / 1e6:.1f}M params, {tokens_per_step} tokens/step, "
-                      f"{'DeepSpeed' if use_ds else 'Accelerate'}; lr {args.learning_rate:g}")
+                      f"{'DeepSpeed' if use_ds else 'Accelerate'}; lr {args.learning_rate:g}"
+                      + (f"; LoRA rank {args.lora_rank}" if args.lora_rank else ""))
     bar = tqdm(total=args.max_train_steps, initial=start, disable=not accelerator.is_local_main_process,
                desc="train", dynamic_ncols=True)
     model.train()
@@ -174,7 +177,10 @@ def train(args):
     # 5. Final model: HF safetensors + tokenizer, RoPE theta (--save-rope-theta) in config.json.
     accelerator.wait_for_everyone()
     if not args.no_save_model:
-        save_final_model(accelerator, model, tokenizer, args.output_dir, args.save_rope_theta, args.seq_length)
+        if args.lora_rank:  # the adapter (+ the merged model with --merge-lora)
+            save_lora(accelerator, model, tokenizer, args)
+        else:
+            save_final_model(accelerator, model, tokenizer, args.output_dir, args.save_rope_theta, args.seq_length)
         accelerator.print(f"saved model to {args.output_dir} (rope_theta {args.save_rope_theta:g}); "
                           f"metrics in {args.log_file}")
     accelerator.end_training()

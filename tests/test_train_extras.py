@@ -140,3 +140,62 @@ def test_fused_rope_is_exact_under_yarn():
         out.square().sum().backward()
         outs.append((out.detach(), m.model.layers[0].self_attn.q_proj.weight.grad))
     assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
+
+
+# ---------------------------------------------------------------- LoRA
+def test_merged_state_dict_equals_peft_model():
+    """--merge-lora's fold (W + B A alpha/r; modules_to_save copies) gives the PeftModel's logits."""
+    import argparse
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from easy_context.training.lora import apply_lora, merged_state_dict
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(_llama_config())
+    args = argparse.Namespace(lora_rank=4, lora_alpha=None, lora_targets="q_proj,v_proj,down_proj",
+                              lora_train_embeddings_norms=True)
+    peft_model = apply_lora(base, args)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if p.requires_grad:  # adapters (B starts at 0) and trainable embedding / norm copies
+                p.add_(torch.randn_like(p) * 0.05)
+    assert all(not p.requires_grad for n, p in peft_model.named_parameters() if "lora_" not in n
+               and ".modules_to_save." not in n)
+    merged = LlamaForCausalLM(_llama_config())
+    merged.load_state_dict(merged_state_dict(peft_model.state_dict(), peft_model.peft_config["default"]))
+    ids = torch.randint(0, 64, (1, 24))
+    with torch.no_grad():
+        assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_zigzag_equals_single_process_and_saves_adapter(toy, tmp_path):  # noqa: F811
+    lora = ["--lora-rank", "4", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj",
+            "--lora-train-embeddings-norms", "--checkpointing", "selective"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _ok(_train(1, one, "data_parallel", [*lora, "--no-save-model"]))
+    _ok(_train(2, two, "zigzag_ring_attn", [*lora, "--merge-lora", "--chunked-loss"]))
+    a, b = metrics(one), metrics(two)
+    la, lb = [a[s]["loss"] for s in sorted(a)], [b[s]["loss"] for s in sorted(b)]
+    assert len(la) == STEPS and _close(la, lb), (la, lb)
+    assert lb[-1] < lb[0] - 0.1, lb  # the adapters learn
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    adapter = two / "adapter"
+    assert (adapter / "adapter_model.safetensors").exists() and (adapter / "adapter_config.json").exists()
+    cfg = json.load(open(adapter / "adapter_config.json"))
+    assert cfg["r"] == 4 and set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"}
+    # the adapter loads back onto the base (with the training RoPE theta) and gives the merged model's logits
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(TOY["model"])
+    cfg.rope_parameters["rope_theta"] = 20000.0  # COMMON's --rope-theta
+    base = AutoModelForCausalLM.from_pretrained(TOY["model"], config=cfg)
+    ids = torch.randint(0, 300, (1, 64))
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        got = PeftModel.from_pretrained(base, str(adapter))(input_ids=ids).logits
+        want = AutoModelForCausalLM.from_pretrained(str(two))(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert not torch.allclose(before, want, atol=1e-3)  # training changed the model

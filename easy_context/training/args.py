@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tiled-mlp", action="store_true", help="run MLPs tile by tile along the sequence")
     a("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
       help="lean fused RMSNorm + fused RoPE (torch.compile kernels on CUDA; exact eager math on CPU)")
+    # LoRA (easy_context/training/lora.py, via peft)
+    a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of the full model (0 = off)")
+    a("--lora-alpha", type=float, default=None, help="LoRA alpha (scaling alpha / rank); default: 2 x --lora-rank")
+    a("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+      help="comma-separated module names that get adapters (e.g. add gate_proj,up_proj,down_proj)")
+    a("--lora-train-embeddings-norms", action="store_true",
+      help="also train (and save with the adapter) the input embeddings and every norm (LongLoRA's recipe)")
+    a("--merge-lora", action="store_true", help="final save: also the merged full model (adapter in OUTPUT_DIR/adapter)")
     # held-out loss (easy_context/training/evaluate.py)
     a("--eval-dataset", default=None, help="prepared dataset (like --dataset) whose first --eval-rows rows give "
       "eval_loss, the token-mean NLL under the same sp layout; evaluated every --eval-every steps and at the end")
@@ -82,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FLOAT_FLAGS = ("--learning-rate", "--rope-theta", "--rope-factor", "--min-lr-ratio", "--weight-decay",
-               "--max-grad-norm", "--save-rope-theta", "--timeout")
+               "--max-grad-norm", "--save-rope-theta", "--timeout", "--lora-alpha")
 
 
 def _join_negative_numbers(argv: list[str]) -> list[str]:
@@ -162,6 +170,12 @@ def check_args(args) -> None:
     if args.rope_scaling == "dynamic" and args.parallel_mode != "data_parallel":
         raise UsageError("--rope-scaling dynamic rescales by the longest position of each forward, which a "
                          "sequence-parallel rank sees only part of: use yarn/linear/llama3, or data_parallel")
+    if args.lora_rank < 0 or args.lora_alpha is not None and not args.lora_alpha > 0:
+        raise UsageError(f"--lora-rank must be >= 0 and --lora-alpha > 0, got {args.lora_rank} and {args.lora_alpha}")
+    if not args.lora_rank and (args.merge_lora or args.lora_train_embeddings_norms or args.lora_alpha is not None):
+        raise UsageError("--lora-alpha / --lora-train-embeddings-norms / --merge-lora need --lora-rank R (>= 1)")
+    if args.lora_rank and not [t for t in args.lora_targets.split(",") if t.strip()]:
+        raise UsageError("--lora-targets is empty: name the modules to adapt, e.g. q_proj,k_proj,v_proj,o_proj")
     if args.eval_every < 0 or args.eval_rows < 1:
         raise UsageError(f"--eval-every must be >= 0 and --eval-rows >= 1, got {args.eval_every} and {args.eval_rows}")
     if args.eval_every and args.eval_dataset is None:

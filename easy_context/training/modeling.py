@@ -146,10 +146,24 @@ def apply_memory_options(model, args) -> None:
         raise UsageError(str(e)) from None
 
 
+def final_config(config, rope_theta: float, seq_length: int):
+    """The config saved with the final model: ``rope_theta``, ``max_position_embeddings`` at least the trained
+    length, no training attention hook (the SP attention name is not part of the model)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    set_rope_theta(config, rope_theta)
+    dynamic = (getattr(config, "rope_parameters", None) or {}).get("rope_type") == "dynamic"
+    if seq_length > getattr(config, "max_position_embeddings", 0) and not dynamic:  # dynamic: it is the base
+        config.max_position_embeddings = seq_length  # the length it was trained at (evals read it)
+    config.use_cache = True
+    config._attn_implementation_internal = None
+    return config
+
+
 def save_final_model(accelerator, model, tokenizer, out_dir: str, rope_theta: float, seq_length: int = 0) -> None:
     """HF safetensors + tokenizer + config with ``rope_theta`` and ``max_position_embeddings`` at least the
     trained length; files appear atomically, config.json last."""
-    import copy
     import shutil
 
     from .checkpoint import replace_dir_contents
@@ -159,15 +173,8 @@ def save_final_model(accelerator, model, tokenizer, out_dir: str, rope_theta: fl
         tmp = os.path.join(out_dir, ".final.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
-        config = copy.deepcopy(unwrapped.config)
-        set_rope_theta(config, rope_theta)
-        dynamic = (getattr(config, "rope_parameters", None) or {}).get("rope_type") == "dynamic"
-        if seq_length > getattr(config, "max_position_embeddings", 0) and not dynamic:  # dynamic: it is the base
-            config.max_position_embeddings = seq_length  # the length it was trained at (evals read it)
-        config.use_cache = True
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        config._attn_implementation_internal = None
-        config.save_pretrained(tmp)  # overwrite: the training attention hook is not part of the model
+        final_config(unwrapped.config, rope_theta, seq_length).save_pretrained(tmp)  # overwrites the one above
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         replace_dir_contents(tmp, out_dir, last="config.json")
