@@ -171,14 +171,18 @@ def test_merged_state_dict_equals_peft_model():
 
 @pytest.mark.slow
 def test_lora_zigzag_equals_single_process_and_saves_adapter(toy, tmp_path):  # noqa: F811
+    """LoRA under zigzag (selective checkpointing, chunked loss, merge) and Ulysses (layer checkpointing, a
+    periodic checkpoint of the PEFT model under ZeRO-3) == LoRA in 1 process; the adapter loads back."""
     lora = ["--lora-rank", "4", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj",
-            "--lora-train-embeddings-norms", "--checkpointing", "selective"]
-    one, two = tmp_path / "one", tmp_path / "two"
+            "--lora-train-embeddings-norms"]
+    one, two, uly = tmp_path / "one", tmp_path / "two", tmp_path / "uly"
     _ok(_train(1, one, "data_parallel", [*lora, "--no-save-model"]))
-    _ok(_train(2, two, "zigzag_ring_attn", [*lora, "--merge-lora", "--chunked-loss"]))
-    a, b = metrics(one), metrics(two)
-    la, lb = [a[s]["loss"] for s in sorted(a)], [b[s]["loss"] for s in sorted(b)]
-    assert len(la) == STEPS and _close(la, lb), (la, lb)
+    _ok(_train(2, two, "zigzag_ring_attn", [*lora, "--merge-lora", "--chunked-loss", "--checkpointing", "selective"]))
+    _ok(_train(2, uly, "ulysses_attn", [*lora, "--no-save-model", "--checkpoint-every", "2"]))
+    a, b, c = metrics(one), metrics(two), metrics(uly)
+    la, lb, lc = ([m[s]["loss"] for s in sorted(m)] for m in (a, b, c))
+    assert len(la) == STEPS and _close(la, lb) and _close(la, lc), (la, lb, lc)
+    assert (uly / "checkpoints" / "step-0000004").is_dir()
     assert lb[-1] < lb[0] - 0.1, lb  # the adapters learn
     import torch
     from peft import PeftModel
