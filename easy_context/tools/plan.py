@@ -411,7 +411,7 @@ def accelerate_command(row: dict, env: Env) -> str:
     base = "accelerate_configs/two_node.yaml" if multi else "accelerate_configs/single_node.yaml"
     ds = {"zero3-offload": None, "zero2-offload-opt": "accelerate_configs/zero2_offload_optimizer.json",
           "zero2": "accelerate_configs/zero2_gpu.json",
-          "zero3": "ZERO3_GPU.json"}[row["zero"]]
+          "zero3": "accelerate_configs/zero3_gpu.json"}[row["zero"]]
     if world == 1 and row["zero"] in ("zero2", "zero2-offload-opt"):
         base = "accelerate_configs/single_gpu.yaml"
         ds = None if row["zero"] == "zero2-offload-opt" else ds
@@ -444,10 +444,6 @@ def train_flags(row: dict, env: Env) -> list[str]:
     if row["tiled_mlp"]:
         f.append("--tiled-mlp")
     return f
-
-
-ZERO3_GPU_NOTE = ("ZERO3_GPU.json is not shipped: copy accelerate_configs/zero3_offload.json and delete its "
-                  "offload_optimizer and offload_param sections")
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -543,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                               flops_per_token=model_flops_per_token(shape, args.seq_length),
                               env=asdict(env), host_mem_gib_per_node=host,
                               gpu_mem_gib=args.gpu_mem or g["memory_gib"], fits=len(fits), candidates=rows,
-                              notes=[ZERO3_GPU_NOTE, MULTI_GPU_NOTE]), indent=1))
+                              notes=[MULTI_GPU_NOTE]), indent=1))
         return 0 if fits else 1
     print(f"{shape.name}: {shape.params() / 1e9:.2f}B params, {shape.layers} layers, d={shape.hidden}, "
           f"heads {shape.heads}/{shape.kv_heads} kv, vocab {shape.vocab}; L={args.seq_length}, "
@@ -560,8 +556,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nrecommended (predicted {best['tokens_per_s']:.0f} tok/s, {100 * best['mfu']:.1f}% MFU, "
               f"GPU {best['gpu_peak_gib']:.1f} GiB, host {best['host_peak_gib_per_node']:.0f} GiB/node):")
         print("  " + best["command"])
-        if best["zero"] == "zero3":
-            print("  " + ZERO3_GPU_NOTE)
     if env.world > 1:
         print("note: " + MULTI_GPU_NOTE)
     print("note: predictions, not measurements; single-H200 points are checked by bench/plan_validation.py")
