@@ -51,9 +51,9 @@ import torch.nn.functional as F
 
 from . import kernels
 from .api import seq_multiple, shard_sequence
+from .loss import IGNORE_INDEX
 from .registry import get_algo
 
-IGNORE_INDEX = -100
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ needs the whole weight again.)
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from ..loss import IGNORE_INDEX, global_count
 
 
 def default_chunk_size(vocab_size: int) -> int:
@@ -84,7 +85,7 @@ class ChunkedLMLoss(torch.autograd.Function):
         return dh, (dw.to(weight.dtype) if need_w else None), None, None, None
 
 
-def chunked_lm_loss(hidden, lm_head_weight, targets, chunk_size=None, ignore_index=-100):
+def chunked_lm_loss(hidden, lm_head_weight, targets, chunk_size=None, ignore_index=IGNORE_INDEX):
     """Sum of token NLLs and number of valid targets, computed chunk by chunk.
 
     hidden ``(..., d)``, lm_head_weight ``(V, d)``, targets ``(...)`` (same leading shape; ``ignore_index``
@@ -105,7 +106,7 @@ def chunked_lm_loss(hidden, lm_head_weight, targets, chunk_size=None, ignore_ind
                                chunk_size, ignore_index)
 
 
-def lm_head_loss(lm_head: torch.nn.Module, hidden, targets, chunk_size=None, ignore_index=-100):
+def lm_head_loss(lm_head: torch.nn.Module, hidden, targets, chunk_size=None, ignore_index=IGNORE_INDEX):
     """``chunked_lm_loss`` run as ``lm_head``'s own forward, so ZeRO-3 / FSDP module hooks gather the
     (partitioned) weight for forward and backward. ``lm_head`` must be a bias-free Linear-like module with
     ``.weight`` of shape (V, d)."""
@@ -128,11 +129,8 @@ def lm_head_loss(lm_head: torch.nn.Module, hidden, targets, chunk_size=None, ign
 
 
 def global_token_count(count: torch.Tensor, group=None) -> torch.Tensor:
-    """Valid-target count summed over ``group`` (no grad). Identity without torch.distributed."""
-    total = count.detach().to(torch.float32).clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return total
+    """Valid-target count summed over ``group`` as float32 (no grad); ``loss.global_count`` does the reduce."""
+    return global_count(count.to(torch.float32), group)
 
 
 def _decoder(model):
@@ -145,7 +143,7 @@ def _decoder(model):
     raise ValueError(f"cannot find the base model of {type(model).__name__} (no get_decoder()/.model)")
 
 
-def causal_lm_loss(model, input_ids, position_ids, targets, group=None, chunk_size=None, ignore_index=-100,
+def causal_lm_loss(model, input_ids, position_ids, targets, group=None, chunk_size=None, ignore_index=IGNORE_INDEX,
                    **model_kwargs):
     """Token-weighted causal-LM loss of this rank's shard, without full logits.
 

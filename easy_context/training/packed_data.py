@@ -16,9 +16,9 @@ pad tokens with labels -100.
 """
 from __future__ import annotations
 
+from ..loss import IGNORE_INDEX
 from .errors import UsageError
 
-IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 
 
