@@ -111,6 +111,15 @@ def _check_layout(seq_algo, bound: _Groups, state: dict, position_ids) -> None:
             "prepare_seq_parallel_inputs (or one ParallelLayout to both: layout=..., layout.prepare_inputs)")
 
 
+def _one_document(state, batch: int, length: int):
+    """Rows that are one document each (no packing), for the sliding-window layers; cached per shape."""
+    from . import packing
+    hit = state.get("one_doc")
+    if hit is None or hit.doc_ids.shape != (batch, length):
+        hit = state["one_doc"] = packing.Documents(torch.zeros(batch, length, dtype=torch.long))
+    return hit
+
+
 def _documents(seq_algo, groups, state, position_ids):
     """Packed documents from the position ids (restarts at 0), one all-gather per forward: every layer of
     the forward gets the same position tensor, so the result is cached on it (weakly, with its version)."""
@@ -148,14 +157,14 @@ def make_attention_fn(seq_algo: str, ring_degree: int | None = None, **groups):
             raise ValueError(f"{seq_algo}: attention logit soft-capping (config.attn_logit_softcapping="
                              f"{kwargs['softcap']}) is not supported by the sequence-parallel kernels; setting it "
                              "to None gives a different model, so this family cannot be trained exactly here")
-        if sliding_window is not None and sliding_window < query.shape[2] * _sp_size(algo, groups):
-            raise ValueError(f"{seq_algo}: sliding-window attention (window {sliding_window}) shorter than the "
-                             f"sequence ({query.shape[2] * _sp_size(algo, groups)} tokens) is not supported under "
-                             "sequence parallelism yet; a window >= the training length is exact (full causal)")
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError(f"{seq_algo}: a KV cache is not supported inside sequence-parallel attention; "
                              "call the model with use_cache=False")
         docs = _documents(seq_algo, groups, state, kwargs.get("position_ids"))
+        length = query.shape[2] * _sp_size(algo, groups)
+        if sliding_window is not None and sliding_window < length:  # a local layer: same blocks, windowed
+            docs = _one_document(state, query.shape[0], length) if docs is None else docs
+            docs = docs.with_window(sliding_window)
         extra = {"docs": docs} if docs is not None else {}
         out = fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout,
                  softmax_scale=scaling, causal=True, **groups, **extra)

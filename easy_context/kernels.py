@@ -146,13 +146,18 @@ def _math_chunk(lq: int, lk: int, heads: int, batch: int) -> int:
 
 
 def _scores(qc, k, scale, q0, causal):
-    # qc: (B, Hkv, G, c, D), k: (B, Hkv, 1, Lk, D) -> (B, Hkv, G, c, Lk)
+    # qc: (B, Hkv, G, c, D), k: (B, Hkv, 1, Lk, D) -> (B, Hkv, G, c, Lk). causal: bool, or a packing.Band
+    # (key b kept for query a iff b - a >= band.c: the partial edge of a sliding window)
     s = torch.matmul(qc, k.transpose(-1, -2)) * scale
-    if causal:
+    if causal is not False:
         rows = torch.arange(q0, q0 + qc.shape[-2], device=qc.device)[:, None]
         cols = torch.arange(k.shape[-2], device=qc.device)[None, :]
-        s = s.masked_fill(cols > rows, float("-inf"))
+        s = s.masked_fill(cols > rows if causal is True else cols - rows < causal.c, float("-inf"))
     return s
+
+
+def _finite(m):  # a row with every key masked has lse -inf: exp(s - lse) must give 0, not nan
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
 
 
 def _grouped(q, k, v):
@@ -176,7 +181,7 @@ def _math_forward(q, k, v, causal, scale):
         s = _scores(qg[..., s0:s0 + step, :], kg, scale, s0, causal)
         m = torch.logsumexp(s, dim=-1)
         lse[..., s0:s0 + step] = m
-        out[..., s0:s0 + step, :] = torch.matmul(torch.exp(s - m.unsqueeze(-1)), vg)
+        out[..., s0:s0 + step, :] = torch.matmul(torch.exp(s - _finite(m).unsqueeze(-1)), vg)
     out = out.reshape(b, hq, lq, d).permute(0, 2, 1, 3).to(q.dtype)
     return out, lse.reshape(b, hq, lq).float() if q.dtype != torch.float64 else lse.reshape(b, hq, lq)
 
@@ -196,7 +201,7 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     step = _math_chunk(lq, k.shape[1], hq, b)
     for s0 in range(0, lq, step):
         sl = slice(s0, s0 + step)
-        p = torch.exp(_scores(qg[..., sl, :], kg, scale, s0, causal) - lse_g[..., sl].unsqueeze(-1))
+        p = torch.exp(_scores(qg[..., sl, :], kg, scale, s0, causal) - _finite(lse_g[..., sl]).unsqueeze(-1))
         dv += torch.matmul(p.transpose(-1, -2), do[..., sl, :]).sum(2)
         dp = torch.matmul(do[..., sl, :], vg.transpose(-1, -2))
         ds = p * (dp - delta[..., sl].unsqueeze(-1))
@@ -399,11 +404,11 @@ def _group(name, pieces):
         run.clear()
     for p in pieces:
         qs, ks, causal = p
-        if causal and qs == ks and (not run or run[-1][0].stop == qs.start):
+        if causal is True and qs == ks and (not run or run[-1][0].stop == qs.start):
             run.append(p)
             continue
         flush()
-        if causal and qs == ks:
+        if causal is True and qs == ks:
             run.append(p)
         else:
             items.append(("dense", p))
@@ -432,7 +437,8 @@ def _doc_forward(name, q, k, v, scale, docs):
                 lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
             if kind == "dense":
                 qs, ks, causal = item
-                o, l = fwd(q[bs, qs], k[bs, ks], v[bs, ks], causal, scale)
+                f = fwd if isinstance(causal, bool) else _math_forward  # a window's band edge: explicit mask
+                o, l = f(q[bs, qs], k[bs, ks], v[bs, ks], causal, scale)
             else:  # one varlen launch over a diagonal run of documents
                 qs = slice(item[0][0].start, item[-1][0].stop)
                 nb = q[bs].shape[0]
@@ -469,7 +475,8 @@ def _doc_backward(name, dout, q, k, v, out, lse, scale, docs):
                 grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
             if kind == "dense":
                 qs, ks, causal = item
-                g = bwd(dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs], lse[bs, :, qs], causal, scale)
+                b = bwd if isinstance(causal, bool) else _math_backward
+                g = b(dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs], lse[bs, :, qs], causal, scale)
             else:
                 qs = ks = slice(item[0][0].start, item[-1][0].stop)
                 nb, n = q[bs].shape[0], qs.stop - qs.start
@@ -490,7 +497,9 @@ def _doc_backward(name, dout, q, k, v, out, lse, scale, docs):
 
 
 def _merge(out, lse_bl, block_out, blk):
-    w = torch.sigmoid(blk - lse_bl)
+    # a row the block masks entirely (lse -inf: a sliding window's band edge) leaves out unchanged, also when
+    # out is still empty (both -inf would make the weight nan)
+    w = torch.where(torch.isneginf(blk), torch.zeros_like(blk), torch.sigmoid(blk - lse_bl))
     new_out = out - w * (out - block_out.to(out.dtype))
     new_lse = torch.maximum(lse_bl, blk) + F.softplus(-(lse_bl - blk).abs())
     return new_out, torch.where(torch.isneginf(lse_bl), blk, new_lse)

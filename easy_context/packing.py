@@ -15,6 +15,15 @@ the ``BlockDocs`` the kernel facade turns into dense pieces (``pieces``):
   kv run == q run (a diagonal)        one causal piece per document inside the run
   kv run after the q run              nothing (causal)
 So attention costs sum(doc_len^2)/2, not L^2/2, and no varlen kernel is needed off the diagonal.
+
+Sliding windows (Mistral's ``sliding_window``, Gemma 3's local layers) ride on the same blocks: a ``Documents``
+with ``window=W`` (one document when the row is not packed) keeps key j for query i only when j > i - W (HF's
+rule), also inside a document. Each piece is cut into q tiles of W rows; a tile [s, e) needs
+  keys [e - W, s)      seen by every row of the tile          -> a dense piece
+  keys [s, e)          its causal diagonal (W rows: all inside the window) -> a causal piece
+  keys [s - W + 1, e - W)  seen by some rows only (j >= i - W + 1) -> a ``Band`` piece (explicit mask)
+and keys further back are skipped, so a ring step whose kv block lies wholly outside every q row's window
+computes nothing, and the cost follows L * W instead of L^2 / 2.
 """
 from __future__ import annotations
 
@@ -27,8 +36,15 @@ class PackedPositionsError(ValueError):
     pass
 
 
-def documents(positions: torch.Tensor) -> "Documents | None":
-    """Documents of global ``positions`` (B, L); None when every row is one run of consecutive positions.
+@dataclass(frozen=True)
+class Band:
+    """Mask of a piece cut by a sliding window: key b is kept for query a (piece-local) iff b - a >= c."""
+    c: int
+
+
+def documents(positions: torch.Tensor, window: int | None = None) -> "Documents | None":
+    """Documents of global ``positions`` (B, L); None when every row is one run of consecutive positions
+    (and no ``window`` shorter than the row applies).
 
     Raises ``PackedPositionsError`` naming the row and index for positions that jump inside a document
     (a new document must restart at 0)."""
@@ -43,21 +59,37 @@ def documents(positions: torch.Tensor) -> "Documents | None":
         raise PackedPositionsError(
             f"position_ids row {b} jumps from {int(pos[b, i])} to {int(pos[b, i + 1])} at index {i + 1}: inside a "
             "document positions must increase by 1, and a new (packed) document must restart at 0")
+    window = window if window is not None and window < pos.shape[1] else None
     if not bool(restart.any()):
-        return None
+        return None if window is None else Documents(torch.zeros_like(pos), window)
     starts = torch.zeros_like(pos, dtype=torch.bool)
     starts[:, 0] = True
     starts[:, 1:] = restart
-    return Documents(torch.cumsum(starts.long(), dim=1) - 1)
+    return Documents(torch.cumsum(starts.long(), dim=1) - 1, window)
 
 
 @dataclass
 class Documents:
     doc_ids: torch.Tensor  # (B, L) long, CPU, nondecreasing per row, starting at 0
+    window: int | None = None  # sliding window (keys j > i - window), None = full causal
 
     def __post_init__(self):
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"sliding window must be >= 1, got {self.window}")
         self.uniform = bool((self.doc_ids == self.doc_ids[:1]).all())  # every batch row packed alike
         self._pieces: dict = {}
+        self._windowed: dict = {}
+
+    def with_window(self, window: int | None) -> "Documents":
+        """The same documents under a sliding window (cached: every local layer asks for the same one)."""
+        if window is None or window >= self.length:
+            window = None
+        if window == self.window:
+            return self
+        hit = self._windowed.get(window)
+        if hit is None:
+            hit = self._windowed[window] = Documents(self.doc_ids, window)
+        return hit
 
     @property
     def length(self) -> int:
@@ -90,30 +122,57 @@ class BlockDocs:
         key = (tuple(qr), tuple(kr), row if not self.docs.uniform else 0)
         hit = self.docs._pieces.get(key)
         if hit is None:
-            hit = self.docs._pieces[key] = _pieces(self.docs.doc_ids[key[2]], qr, kr)
+            hit = self.docs._pieces[key] = _pieces(self.docs.doc_ids[key[2]], qr, kr, self.docs.window)
         return hit
 
 
-def _pieces(d: torch.Tensor, q_runs, k_runs) -> list[tuple[slice, slice, bool]]:
+def _pieces(d: torch.Tensor, q_runs, k_runs, window=None) -> list[tuple[slice, slice, "bool | Band"]]:
     out = []
+
+    def add(qo, qg, n, ko, kg, m, causal):  # a piece in block offsets (qo, ko) and global starts (qg, kg)
+        if window is None:
+            out.append((slice(qo, qo + n), slice(ko, ko + m), causal))
+        else:
+            out.extend(_windowed(qo, qg, n, ko, kg, m, causal, window))
     for qo, qa, qn in q_runs:
         for ko, ka, kn in k_runs:
             if ka == qa and kn == qn:  # a diagonal run: one causal piece per document
                 seg = d[qa:qa + qn]
                 cuts = [0] + ((seg[1:] != seg[:-1]).nonzero().flatten() + 1).tolist() + [qn]
-                out += [(slice(qo + s, qo + e), slice(ko + s, ko + e), True) for s, e in zip(cuts[:-1], cuts[1:])]
+                for s, e in zip(cuts[:-1], cuts[1:]):
+                    add(qo + s, qa + s, e - s, ko + s, ka + s, e - s, True)
             elif ka + kn <= qa:  # kv strictly before q: the one document spanning both, if any
                 doc = int(d[qa])
                 if int(d[ka + kn - 1]) != doc:
                     continue  # every kv document ended before the q documents start: skipped
                 qe = int((d[qa:qa + qn] == doc).sum())
                 ks = kn - int((d[ka:ka + kn] == doc).sum())
-                out.append((slice(qo, qo + qe), slice(ko + ks, ko + kn), False))
+                add(qo, qa, qe, ko + ks, ka + ks, kn - ks, False)
             elif ka >= qa + qn:
                 continue  # kv after q: masked by causality
             else:
                 raise AssertionError(f"q run [{qa}, {qa + qn}) and kv run [{ka}, {ka + kn}) partly overlap: "
                                      "not a block of a causal schedule")
+    return out
+
+
+def _windowed(qo, qg, n, ko, kg, m, causal, w):
+    """Cut one piece (q rows [qg, qg+n), kv rows [kg, kg+m) globally; ``causal``: a diagonal piece, else every
+    kv row precedes every q row) by the window rule j > i - w, in q tiles of w rows (see the module doc)."""
+    out = []
+    for s in range(qg, qg + n, w):
+        e = min(s + w, qg + n)
+        lo, hi = max(kg, s - w + 1), min(kg + m, e)
+        if lo >= hi:
+            continue  # the whole piece lies before this tile's window
+        full_lo, full_hi = max(lo, e - w), (min(hi, s) if causal else hi)
+        q_sl = slice(qo + s - qg, qo + e - qg)
+        if lo < min(e - w, hi):  # keys only some rows of the tile see
+            out.append((q_sl, slice(ko + lo - kg, ko + min(e - w, hi) - kg), Band(s - w + 1 - lo)))
+        if full_lo < full_hi:
+            out.append((q_sl, slice(ko + full_lo - kg, ko + full_hi - kg), False))
+        if causal:
+            out.append((q_sl, slice(ko + s - kg, ko + e - kg), True))
     return out
 
 
@@ -147,4 +206,4 @@ def global_indices(seq_algo: str, length: int, rank: int, world: int) -> torch.T
     return shard_sequence(seq_algo, torch.arange(length), rank, world, dim=0)
 
 
-__all__ = ["documents", "Documents", "BlockDocs", "PackedPositionsError", "gather_positions", "global_indices"]
+__all__ = ["documents", "Documents", "Band", "BlockDocs", "PackedPositionsError", "gather_positions", "global_indices"]

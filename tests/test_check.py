@@ -56,6 +56,8 @@ def test_cases_on_four_ranks(configs):
         "qwen2_ulysses": qwen2 + ["--parallel_mode", "ulysses_attn", "--world", "4", "--seq-len", "24"],
         "big_shrunk_dist_flash": ["--model", str(configs / "big"), "--parallel_mode", "dist_flash_attn",
                                   "--world", "4", "--hidden", "256", "--vocab", "64"],
+        "windowed_zigzag_packed": ["--model", str(configs / "windowed"), "--world", "4", "--seq-len", "32",
+                                   "--packed"],
         "theta": llama + ["--parallel_mode", "usp_attn", "--world", "4", "--ring_degree", "2",
                           "--inject", "theta_mismatch"],
         "ring": llama + ["--parallel_mode", "usp_attn", "--world", "4", "--ring_degree", "2",
@@ -66,11 +68,13 @@ def test_cases_on_four_ranks(configs):
     reports = {}
     for (name, (case, info)), outcome in zip(planned.items(), outcomes):
         reports[name] = check.judge(case, info, outcome)
-    for name in ("zigzag_sp2_dp2", "usp", "usp_packed", "qwen2_zigzag_dp2_packed", "qwen2_ulysses", "big_shrunk_dist_flash"):
+    for name in ("zigzag_sp2_dp2", "usp", "usp_packed", "qwen2_zigzag_dp2_packed", "qwen2_ulysses", "big_shrunk_dist_flash",
+                 "windowed_zigzag_packed"):
         text, code = reports[name]
         assert code == 0 and "\nPASS" in text, f"{name}:\n{text}"
     assert "R2×U2" in reports["usp"][0]
     assert "logits dp 1" in reports["qwen2_zigzag_dp2_packed"][0] and "docs" in reports["usp_packed"][0]
+    assert "window     8\n" in reports["windowed_zigzag_packed"][0], reports["windowed_zigzag_packed"][0]
     big = reports["big_shrunk_dist_flash"][0]
     assert "llama3, theta 500000" in big and "factor=32.0" in big and "4 q / 1 kv heads, head_dim 64" in big, big
 
@@ -106,8 +110,6 @@ def test_usage_errors_config(configs, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
     assert check.main(["--model", str(tmp_path / "config.json")]) == 2
     assert "cannot read the config" in capsys.readouterr().err
-    assert check.main(["--model", str(configs / "windowed"), "--seq-len", "16"]) == 2
-    assert "sliding window 8 < --seq-len 16" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         check.main(["--model", str(configs / "llama"), "--inject", "bogus"])
     assert e.value.code == 2

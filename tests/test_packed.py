@@ -48,6 +48,47 @@ def test_block_pieces():
         [(0, 3, 0, 3, True), (3, 4, 3, 4, True), (4, 8, 4, 8, True)]
 
 
+def _mask_of(pieces, nq, nk):
+    """The dense (nq, nk) keep-mask the pieces describe (each key at most once per query: asserted)."""
+    m = torch.zeros(nq, nk, dtype=torch.long)
+    for qs, ks, c in pieces:
+        a = torch.arange(qs.stop - qs.start)[:, None]
+        b = torch.arange(ks.stop - ks.start)[None, :]
+        keep = torch.ones(len(a), b.shape[1], dtype=torch.bool) if c is False else (b <= a if c is True else
+                                                                                    b - a >= c.c)
+        m[qs, ks] += keep.long()
+    assert int(m.max()) <= 1, "two pieces cover the same (query, key)"
+    return m.bool()
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 7, 16])
+@pytest.mark.parametrize("lengths", [[24], [5, 1, 11, 7]])
+def test_window_pieces_are_exactly_the_mask(window, lengths):
+    """Every block a ring can ask for (diagonal runs, kv runs before q runs, zigzag pairs): the pieces cover
+    exactly {same document, j <= i, j > i - window}, and blocks wholly outside the window give no piece."""
+    n = sum(lengths)
+    docs = packing.documents(_positions(lengths), window=window)
+    assert docs is not None and docs.window == (window if window < n else None)
+    d = docs.doc_ids[0]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    want = (d[:, None] == d[None, :]) & (j <= i) & (j > i - window)
+    blocks = [(torch.arange(n), torch.arange(n))]
+    for c in (4, 6):  # contiguous chunks of c rows, every (q chunk, kv chunk) pair, and zigzag pairs
+        chunks = [torch.arange(s, min(s + c, n)) for s in range(0, n, c)]
+        blocks += [(a, b) for a in chunks for b in chunks if b[0] <= a[0]]
+        pairs = [torch.cat([chunks[r], chunks[-1 - r]]) for r in range(len(chunks) // 2)]
+        blocks += [(p, t) for p in pairs for t in pairs]  # a zigzag ring's (q pair, visiting kv pair)
+    for q_idx, k_idx in blocks:
+        pieces = docs.block(q_idx, k_idx).pieces()
+        got = _mask_of(pieces, len(q_idx), len(k_idx))
+        expect = want[q_idx][:, k_idx]
+        assert torch.equal(got, expect), (window, q_idx.tolist(), k_idx.tolist(), pieces)
+        if not bool(expect.any()):
+            assert pieces == [], pieces  # skipped: no kernel call
+    # a whole row without packing: one document under the window
+    assert packing.documents(torch.arange(n)[None], window=window).doc_ids.sum() == 0 if window < n else True
+
+
 @pytest.mark.parametrize("lengths", [[40], [7, 1, 13, 19], [1] * 5 + [35], [16, 16, 8]])
 def test_facade_document_mask_matches_per_document_attention(lengths):
     g = torch.Generator().manual_seed(len(lengths))

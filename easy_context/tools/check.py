@@ -286,13 +286,10 @@ def plan_case(args) -> tuple[Case, dict]:
         layout.check_seq_len(seq_len)
     except ValueError as e:
         raise CheckUsageError(f"--seq-len: {e}") from None
-    w = sliding_window(config)
-    if w is not None and w < seq_len:
-        raise CheckUsageError(f"sliding window {w} < --seq-len {seq_len}: sequence-parallel attention supports "
-                              f"only windows >= the length; use --seq-len <= {w - w % mult}")
+    w = sliding_window(config)  # a window shorter than the length is checked too (windowed ring blocks)
     case = Case(mode=args.mode, sp=layout.sp, ring=ring, ring_run=ring_run, config=config, sp_config=sp_config,
                 seq_len=seq_len, batch=args.batch, packed=args.packed, seed=args.seed)
-    info = {"source": args.model, "notes": notes, "layout": layout, "seq_multiple": mult, "window": w,
+    info = {"source": args.model, "notes": notes, "layout": layout, "seq_multiple": mult, "window": w, "seq_len": seq_len,
             "heads": (q, kv, hd), "rtol": args.rtol, "inject": args.inject, "world": args.world}
     return case, info
 
@@ -403,7 +400,9 @@ def judge(case: Case, info: dict, outcome: dict, verbose: bool = False) -> tuple
             sp_rope = _rope_lines(first["rope_sp"])
             lines += [f"  {'rope (sp)' if i == 0 else '':<11}{r}   <- differs from the reference"
                       for i, r in enumerate(sp_rope)]
-    lines.append(f"  window     {info['window'] if info['window'] is not None else 'none (full causal)'}")
+    w = info["window"]
+    lines.append(f"  window     {'none (full causal)' if w is None else w}"
+                 f"{' (>= the length: full causal)' if w is not None and w >= info.get('seq_len', 0) else ''}")
     degrees = f"ring {layout.ring} x ulysses {layout.ulysses}"
     lines.append(f"  layout     {case.mode}, world {info['world']} = dp {layout.dp} x sp {layout.sp} "
                  f"({layout}; {degrees})")

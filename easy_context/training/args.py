@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--offload-every-k", type=int, default=1, help="offload/nested: keep one layer input per k layers")
     a("--chunked-loss", action="store_true", help="LM head + loss in chunks, never materializing full logits")
     a("--tiled-mlp", action="store_true", help="run MLPs tile by tile along the sequence")
+    a("--no-sliding-window", action="store_true",
+      help="train (and save) with full causal attention instead of the model's sliding window (Mistral v0.1, "
+      "Gemma 3's local layers); by default the window is kept: exact under every mode")
     a("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
       help="lean fused RMSNorm + fused RoPE (torch.compile kernels on CUDA; exact eager math on CPU)")
     # LoRA (easy_context/training/lora.py, via peft)

@@ -88,8 +88,10 @@ def load_config(name: str, rope_theta: float | None, args=None):
         set_rope_scaling(config, args.rope_scaling, args.rope_factor, args.rope_original_max_positions)
     if args is not None:
         check_rope_for_sp(config, args.parallel_mode)
-    if getattr(config, "sliding_window", None) is not None:
-        config.sliding_window = None  # full attention over the whole sequence (Mistral-style configs)
+    if args is not None and args.no_sliding_window and getattr(config, "sliding_window", None) is not None:
+        # asked for: full attention over the whole sequence (saved so). Models with per-layer types (Gemma 3)
+        # keep them (their local layers' RoPE differs) with a window longer than any sequence.
+        config.sliding_window = None if getattr(config, "layer_types", None) is None else 2 ** 31 - 1
     return config
 
 
