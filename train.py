@@ -58,10 +58,12 @@ def train(args):
                                                 load_model, load_tokenizer, save_final_model)
     from easy_context.training.optim import build_optimizer, configure_deepspeed, current_lr
     from easy_context.training.packed_data import batch_targets
+    from easy_context.training.moe import aux_coef, aux_term
     from easy_context.training.parallel import all_sum, build_layout, make_accelerator, nll_sum
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
     config = load_config(args.model, args.rope_theta, args)  # + --rope-scaling
+    moe_coef = aux_coef(config, args)  # MoE router load-balancing loss (0 = off)
     if args.save_rope_theta is None:  # the theta trained with (the model's own when --rope-theta is unset)
         args.save_rope_theta = get_rope_theta(config)
     data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length)
@@ -147,12 +149,15 @@ def train(args):
         n_tokens = all_sum(sum((w["local_target_ids"] != -100).sum() for w in window).float()
                            .to(accelerator.device)).clamp(min=1)
         scale = accelerator.num_processes * GA / n_tokens
-        nll_window = torch.zeros((), device=accelerator.device)
+        nll_window, aux_window = torch.zeros((), device=accelerator.device), 0.0
         for w in window:
             with accelerator.accumulate(model):
+                router = [] if moe_coef else None
                 nll = nll_sum(model, unwrapped, w["local_input_ids"], w["local_position_ids"],
-                              w["local_target_ids"], args.chunked_loss)
-                accelerator.backward(nll * scale)  # DeepSpeed steps its optimizer + scheduler at the boundary
+                              w["local_target_ids"], args.chunked_loss, router)
+                aux, aux_val = aux_term(router, config, moe_coef, accelerator.num_processes)
+                accelerator.backward(nll * scale + aux)  # DeepSpeed steps its optimizer + scheduler at the boundary
+                aux_window += aux_val / GA
                 nll_window += nll.detach().float()
                 if accelerator.sync_gradients and not use_ds:
                     if args.max_grad_norm > 0:
@@ -165,6 +170,7 @@ def train(args):
             raise UsageError(f"the loss is {loss} at step {step + 1}: stopping without saving (lower "
                              "--learning-rate, check the data, or resume from the last checkpoint)", code=1)
         row = {"step": step + 1, "loss": loss, "lr": lr, **measure(time.perf_counter() - t0)}
+        row.update({"router_aux_loss": aux_window} if moe_coef else {})
         if due(args, step + 1):  # held-out token-mean loss, same sp layout (after the timing above)
             row["eval_loss"] = eval_loss(model, unwrapped, eval_rows, layout, args, accelerator.device)
         report(row, log, bar, accelerator, args.wandb)

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay (never on norms, biases, embeddings)")
     a("--decay-all", action="store_true", help="also decay norms, biases and embeddings")
     a("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
+    a("--router-aux-loss-coef", type=float, default=None,
+      help="MoE models: weight of the router load-balancing loss, computed over every rank's tokens (default: the "
+      "config's router_aux_loss_coef when its output_router_logits is true, else off)")
     a("--checkpoint-every", type=int, default=0, help="save a resumable checkpoint every N steps (0 = off)")
     a("--keep-checkpoints", type=int, default=2, help="how many periodic checkpoints to keep")
     a("--resume", action="store_true", help="continue this output dir's run from its latest good checkpoint")
@@ -93,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FLOAT_FLAGS = ("--learning-rate", "--rope-theta", "--rope-factor", "--min-lr-ratio", "--weight-decay",
-               "--max-grad-norm", "--save-rope-theta", "--timeout", "--lora-alpha")
+               "--max-grad-norm", "--save-rope-theta", "--timeout", "--lora-alpha", "--router-aux-loss-coef")
 
 
 def _join_negative_numbers(argv: list[str]) -> list[str]:
@@ -155,6 +158,8 @@ def check_args(args) -> None:
             ("--min-lr-ratio", args.min_lr_ratio, 0 <= args.min_lr_ratio <= 1, "in [0, 1]"),
             ("--weight-decay", args.weight_decay, args.weight_decay >= 0, ">= 0"),
             ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm >= 0, ">= 0 (0 = no clipping)"),
+            ("--router-aux-loss-coef", args.router_aux_loss_coef,
+             args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0, ">= 0"),
             ("--timeout", args.timeout, args.timeout > 0, "> 0 seconds")):
         if not ok:
             raise UsageError(f"{flag} must be {want}, got {val:g}")

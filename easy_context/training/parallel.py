@@ -50,14 +50,16 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool) -> torch.Tensor:
+def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, router: list | None = None):
     """Forward + summed next-token NLL (fp32) of this rank's tokens; -100 targets are skipped.
 
     ``chunked``: the LM head computes the loss chunk by chunk (``easy_context.memory.chunked_lm_loss``)
     and never the (tokens x vocab) logits. It runs *as the head's forward inside the wrapped model's
     forward*, so DeepSpeed's engine forward and ZeRO-3's module hooks (weight gather for forward and
     backward) see an ordinary call; the model then returns the NLL sum in place of its logits.
+    ``router``: a list that receives the MoE router logits of this forward (for the load-balancing loss).
     """
+    kw = {"output_router_logits": True} if router is not None else {}
     if chunked:
         from easy_context.memory import chunked_lm_loss
 
@@ -66,10 +68,15 @@ def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool) -
             raise ValueError("--chunked-loss needs a bias-free LM head")
         head.forward = lambda hidden: chunked_lm_loss(hidden, head.weight, targets)[0]
         try:
-            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)
         finally:
             del head.forward
+        if router is not None:
+            router.append(out.router_logits)
+        return out.logits
     from easy_context.loss import token_nll_sum
 
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    return token_nll_sum(logits, targets)[0]
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)
+    if router is not None:
+        router.append(out.router_logits)
+    return token_nll_sum(out.logits, targets)[0]
