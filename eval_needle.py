@@ -13,62 +13,41 @@
 attends to every rank's prompt KV); a prompt is correct when the generated text contains the number.
 --mode teacher_forced: EasyContext's scoring (all argmax tokens at the answer positions equal the answer).
 Outputs in --output-dir: needle_<model>.csv (length, depth, sample, expected, generated, correct),
-heatmap_<model>.png (depth x length) and accuracy_<model>.txt ("Average Accuracy: x").
+heatmap_<model>.png (depth x length) and accuracy_<model>.txt ("Average Accuracy: x"), each written atomically.
+--chat-template: the prompt becomes one user message of the tokenizer's chat template (add_generation_prompt).
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import random
 
 import torch
-import torch.distributed as dist
 
-SEED = 24242424  # EasyContext's seed
+from easy_context.evals import SEED, model_tag  # noqa: F401  (model_tag: kept importable from here)
 
 
 def parse_args(argv=None):
-    from easy_context import SEQ_ALGOS
+    from easy_context.evals import add_common_args
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="PY007/Llama2-7B-64K", help="local model directory (save_pretrained) or Hub id")
-    p.add_argument("--max_context_length", type=int, default=100000, help="haystack tokens, largest length")
-    p.add_argument("--min_context_length", type=int, default=1000, help="haystack tokens, smallest length")
-    p.add_argument("--context_interval", type=int, default=1000, help="step between lengths (tokens)")
+    add_common_args(p, "greedy tokens to generate (default: answer length + 8)")
     p.add_argument("--depth_interval", type=float, default=0.1, help="step between needle depths in [0, 1]")
-    p.add_argument("--num_samples", type=int, default=10, help="prompts (random numbers) per (length, depth)")
-    p.add_argument("--rope_theta", "--rope-theta", dest="rope_theta", type=float, default=None,
-                   help="override the config's RoPE theta")
     p.add_argument("--rnd_number_digits", type=int, default=7, help="digits of the needle number (exactly)")
-    p.add_argument("--haystack_dir", default=None, help="folder of *.txt (sorted); default: generated filler")
     p.add_argument("--num_distractor", type=int, default=0, help="distractor needles (0-6)")
-    p.add_argument("--parallel_mode", default="zigzag_ring_attn", choices=SEQ_ALGOS,
-                   help="sequence parallelism over the launched ranks; data_parallel splits prompts instead")
-    p.add_argument("--ring_degree", type=int, default=None, help="usp_attn only: ring size (ring x ulysses = world)")
     p.add_argument("--mode", choices=("generate", "teacher_forced"), default="generate")
-    p.add_argument("--max_new_tokens", type=int, default=None,
-                   help="greedy tokens to generate (default: answer length + 8)")
-    p.add_argument("--output-dir", "--output_dir", dest="output_dir", default="data")
     return p.parse_args(argv)
 
 
 def check_grid(args):
-    """Lengths and depths of the grid, or a ValueError saying what is impossible."""
-    if args.min_context_length < 1 or args.context_interval < 1:
-        raise ValueError(f"--min_context_length ({args.min_context_length}) and --context_interval "
-                         f"({args.context_interval}) must be >= 1")
-    if args.max_context_length < args.min_context_length:
-        raise ValueError(f"impossible length grid: --max_context_length {args.max_context_length} < "
-                         f"--min_context_length {args.min_context_length}")
+    """Lengths (haystack tokens) and depths of the grid, or a ValueError saying what is impossible."""
+    from easy_context.evals import length_grid
+    lengths = length_grid(args)
     if not 0 < args.depth_interval <= 1:
         raise ValueError(f"--depth_interval must be in (0, 1]; got {args.depth_interval}")
-    if args.num_samples < 1:
-        raise ValueError(f"--num_samples must be >= 1; got {args.num_samples}")
     if not 0 <= args.num_distractor <= 6:
         raise ValueError(f"--num_distractor must be between 0 and 6 (one per city); got {args.num_distractor}")
     if args.rnd_number_digits < 1:
         raise ValueError(f"--rnd_number_digits must be >= 1; got {args.rnd_number_digits}")
-    lengths = list(range(args.min_context_length, args.max_context_length + 1, args.context_interval))
     steps = int(round(1 / args.depth_interval, 9) + 1e-9)
     depths = [round(i * args.depth_interval, 10) for i in range(steps + 1) if i * args.depth_interval <= 1 + 1e-9]
     return lengths, depths
@@ -90,15 +69,13 @@ def build_jobs(args, lengths, depths):
     return jobs
 
 
-def model_tag(path: str) -> str:
-    return os.path.basename(os.path.normpath(path)).replace("/", "_") or "model"
-
-
 def save_heatmap(rows, path, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import LinearSegmentedColormap
+
+    from easy_context.evals import atomic_savefig
 
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
@@ -122,78 +99,64 @@ def save_heatmap(rows, path, title):
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="Score")
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_savefig(fig, path)
     plt.close(fig)
 
 
 def main(argv=None):
     args = parse_args(argv)
     lengths, depths = check_grid(args)
-    from easy_context.training.errors import UsageError
-    from easy_context.training.run_dir import check_writable_dir
-    try:  # before the model loads: results are never lost at the end
-        check_writable_dir(args.output_dir)
-    except UsageError as e:
-        raise ValueError(str(e)) from None
+    from easy_context.evals import EvalSession, atomic_write_csv, atomic_write_text, check_output_dir, model_tag
+    check_output_dir(args.output_dir)
 
     from tqdm import tqdm
 
     from easy_context.haystack import NeedleHaystack, read_haystack
-    from easy_context.inference import SeqParallelLM, init_distributed, load_model
 
-    rank, world, device = init_distributed()
-    torch.manual_seed(SEED)
-    model, tok = load_model(args.model, rope_theta=args.rope_theta, device=device)
-    engine = SeqParallelLM(model, args.parallel_mode, ring_degree=args.ring_degree)
-    # data_parallel: each rank takes every world-th prompt; sp modes: all ranks run every prompt together
-    dp_split = engine.world == 1 and world > 1
+    s = EvalSession(args)
+    tok, rank, world = s.tok, s.rank, s.world
     hay = NeedleHaystack(tok, read_haystack(args.haystack_dir), args.max_context_length)
     jobs = build_jobs(args, lengths, depths)
-    mine = [j for i, j in enumerate(jobs) if not dp_split or i % world == rank]
-    eos = tok.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
 
     rows = []
-    for job in tqdm(mine, desc="needle", disable=rank != 0):
+    for job in tqdm(s.mine(jobs), desc="needle", disable=rank != 0):
         prompt = hay.build(job["length"], job["depth"], job["number"], job["distractors"],
                            rng=random.Random(job["seed"]))
-        ids = torch.tensor([prompt.input_ids], device=device)
+        ids, answer_ids = prompt.input_ids, prompt.answer_ids
+        if s.chat is not None:  # the whole needle prompt is the user message; the reply starts the answer
+            ids = s.chat(ids)
+            answer_ids = list(tok(job["number"], add_special_tokens=False)["input_ids"])
         if args.mode == "generate":
-            n_new = args.max_new_tokens or len(prompt.answer_ids) + 8
-            new = engine.generate(ids, n_new, eos_token_id=eos, pad_id=pad)
-            text = tok.decode(new, skip_special_tokens=True)
+            n_new = args.max_new_tokens or len(answer_ids) + 8
+            text = s.generate(ids, n_new)
             correct = job["number"] in text
         else:
-            ans = torch.tensor([prompt.answer_ids], device=device)
-            pred = engine.teacher_forced(ids, ans, pad_id=pad)[0].tolist()
+            ans = torch.tensor([answer_ids], device=s.device)
+            pred = s.engine.teacher_forced(torch.tensor([ids], device=s.device), ans, pad_id=s.pad)[0].tolist()
             text = tok.decode(pred, skip_special_tokens=True)
-            correct = pred == prompt.answer_ids
+            correct = pred == answer_ids
         rows.append(dict(length=job["length"], depth=job["depth"], sample=job["sample"],
                          expected=job["number"], generated=text, correct=int(correct)))
         if not correct and rank == 0:
             tqdm.write(f"[miss] length={job['length']} depth={job['depth']} expected={job['number']} "
                        f"got={text!r} distractors={job['distractors']}")
-    if dp_split:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, rows)
-        rows = sorted((r for part in gathered for r in part),
-                      key=lambda r: (r["length"], r["depth"], r["sample"]))
+    rows = s.gather(rows, key=lambda r: (r["length"], r["depth"], r["sample"]))
     if rank == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
         tag = model_tag(args.model)
         csv_path = os.path.join(args.output_dir, f"needle_{tag}.csv")
-        with open(csv_path, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=["length", "depth", "sample", "expected", "generated", "correct"])
-            w.writeheader()
-            w.writerows(rows)
+        atomic_write_csv(csv_path, ["length", "depth", "sample", "expected", "generated", "correct"], rows)
         acc = sum(r["correct"] for r in rows) / max(1, len(rows))
-        save_heatmap(rows, os.path.join(args.output_dir, f"heatmap_{tag}.png"),
-                     f"{tag} ({args.mode}, {args.parallel_mode}, {world} ranks)")
-        with open(os.path.join(args.output_dir, f"accuracy_{tag}.txt"), "w") as f:
-            f.write(f"Average Accuracy: {acc}\n")
+        png = os.path.join(args.output_dir, f"heatmap_{tag}.png")
+        save_heatmap(rows, png, f"{tag} ({args.mode}, {args.parallel_mode}, {world} ranks"
+                                f"{', chat template' if s.chat else ''})")
+        atomic_write_text(os.path.join(args.output_dir, f"accuracy_{tag}.txt"), f"Average Accuracy: {acc}\n")
+        for length in lengths:
+            sel = [r["correct"] for r in rows if r["length"] == length]
+            print(f"length {length}: accuracy {sum(sel) / max(1, len(sel)):.3f} ({sum(sel)}/{len(sel)})")
         print(f"Average Accuracy: {acc}")
         print(f"wrote {csv_path}")
-    engine.close()
+        print(f"wrote {png}")
+    s.close()
     return rows
 
 

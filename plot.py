@@ -1,6 +1,9 @@
 """Perplexity vs context length from an eval_ppl.py CSV.
 
     python plot.py ppl.csv [--xmin 0 --xmax 32768 --ymin 3 --ymax 10]   # writes ppl.csv.png and ppl.csv.pdf
+
+The y axis is logarithmic: perplexities of an untrained and a trained model differ by orders of magnitude
+(the CPU demo's go from ~300 to ~3), and log-perplexity is the loss, so equal steps mean equal loss changes.
 """
 from __future__ import annotations
 
@@ -41,14 +44,16 @@ def main(argv=None):
     for name, (xs, ys) in read_csv(args.csv).items():
         ax.plot(xs, ys, marker="o", label=name.replace("NousResearch/", ""))
     ax.set_xlim(args.xmin, args.xmax)
-    ax.set_ylim(args.ymin, args.ymax)
+    ax.set_yscale("log")
+    ax.set_ylim(args.ymin if args.ymin > 0 else 1.0, args.ymax)  # a log axis cannot start at 0; perplexity >= 1
     ax.set_xlabel("Context Window")
     ax.set_ylabel("Perplexity (lower is better)")
     ax.legend()
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
+    from easy_context.evals import atomic_savefig
     for ext in ("png", "pdf"):
-        fig.savefig(f"{args.csv}.{ext}")
+        atomic_savefig(fig, f"{args.csv}.{ext}")
     plt.close(fig)
     print(f"wrote {args.csv}.png and {args.csv}.pdf")
 

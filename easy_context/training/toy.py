@@ -28,6 +28,37 @@ def make_corpus(n_docs: int = 200, seed: int = 0) -> list[str]:
     return docs
 
 
+NEEDLE_CITIES = ("Singapore", "Oslo", "Lima", "Cairo", "Madrid", "Dublin", "Seoul", "Quito", "Vienna", "Nairobi")
+
+
+def make_needle_corpus(n_docs: int = 400, seed: int = 0, max_sentences: int = 16, digits=(4, 10),
+                       cities=NEEDLE_CITIES) -> list[str]:
+    """Passkey documents in eval_needle.py's exact format: PREFIX, the first 0..``max_sentences`` sentences of
+    the eval's default haystack with one NEEDLE at a random sentence end, QUESTION_STR, then the number.
+
+    ``cities``: by default the city varies per document (Singapore, which the eval asks for, among them):
+    packed rows hold several documents without masking, so the question's city, not recency, picks the needle.
+    ``digits``: an int, or a (min, max) range drawn per document (longer numbers = more copy steps to learn).
+    """
+    from easy_context.haystack import NEEDLE, PREFIX, QUESTION_STR, filler_text, random_number
+
+    rng = random.Random(seed)
+    # the eval's own default haystack, from its start (what eval_needle cuts from): the model can learn the
+    # prose by heart, so the remaining loss - and the gradient - is the needle number
+    sents = [s.strip().rstrip(".") + "." for s in filler_text().replace("\n\n", " ").split(". ")][:max_sentences]
+    docs = []
+    for _ in range(n_docs):
+        n = rng.randint(0, max_sentences)
+        body = sents[:n]
+        k = rng.randint(0, n)
+        city = rng.choice(cities)
+        number = random_number(rng, digits if isinstance(digits, int) else rng.randint(*digits))
+        needle = NEEDLE.replace("Singapore", city).format(number)
+        text = " ".join(body[:k]) + needle + " ".join(body[k:])
+        docs.append(PREFIX + text + QUESTION_STR.replace("Singapore", city) + f" {number}.")
+    return docs
+
+
 # A minimal ChatML-like template: every message is "<s>role\ncontent</s>", so prefixes render as prefixes and an
 # assistant turn's tokens (with its closing </s>) are exactly what it adds.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -84,17 +115,29 @@ def build_model(out_dir: str, vocab_size: int, hidden: int = 64, layers: int = 2
     return model
 
 
-def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0) -> dict:
-    """Write ``out``/{model, tokenizer inside model, corpus.jsonl, data_<L>} and return their paths."""
+def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, needle_docs: int = 0,
+              needle_max_sentences: int = 16, **model_kw) -> dict:
+    """Write ``out``/{model, tokenizer inside model, corpus.jsonl, data_<L>} and return their paths.
+
+    ``needle_docs``: passkey documents (``make_needle_corpus``) shuffled into the corpus, so the demo's model
+    learns eval_needle's prompt format (copying the number itself needs far more steps than the CPU demo has);
+    the tokenizer also sees the eval's filler text. ``model_kw``: ``build_model`` sizes.
+    """
     import json
 
     from .data import pack_documents
 
     os.makedirs(out, exist_ok=True)
     docs = make_corpus(n_docs, seed)
+    tok_texts = docs
+    if needle_docs:
+        from easy_context.haystack import filler_text
+        docs = docs + make_needle_corpus(needle_docs, seed, needle_max_sentences)
+        random.Random(seed).shuffle(docs)
+        tok_texts = docs + [filler_text(300)]
     model_dir = os.path.join(out, "tiny-llama")
-    tok = build_tokenizer(docs, model_dir)
-    build_model(model_dir, vocab_size=len(tok), seed=seed)
+    tok = build_tokenizer(tok_texts, model_dir)
+    build_model(model_dir, vocab_size=len(tok), seed=seed, **model_kw)
     corpus = os.path.join(out, "corpus.jsonl")
     with open(corpus, "w") as f:
         for d in docs:
@@ -112,6 +155,11 @@ if __name__ == "__main__":
     p.add_argument("out")
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[128])
     p.add_argument("--docs", type=int, default=200)
+    p.add_argument("--needle-docs", type=int, default=0, help="passkey documents in eval_needle's format")
+    p.add_argument("--needle-max-sentences", type=int, default=16, help="filler sentences per passkey document")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
     a = p.parse_args()
-    for k, v in build_all(a.out, a.seq_lengths, a.docs).items():
+    for k, v in build_all(a.out, a.seq_lengths, a.docs, needle_docs=a.needle_docs,
+                          needle_max_sentences=a.needle_max_sentences, hidden=a.hidden, layers=a.layers).items():
         print(f"{k}: {v}")
