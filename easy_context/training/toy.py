@@ -116,12 +116,14 @@ def build_model(out_dir: str, vocab_size: int, hidden: int = 64, layers: int = 2
 
 
 def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, needle_docs: int = 0,
-              needle_max_sentences: int = 16, **model_kw) -> dict:
+              needle_max_sentences: int = 16, document_masking: bool = False, **model_kw) -> dict:
     """Write ``out``/{model, tokenizer inside model, corpus.jsonl, data_<L>} and return their paths.
 
     ``needle_docs``: passkey documents (``make_needle_corpus``) shuffled into the corpus, so the demo's model
     learns eval_needle's prompt format (copying the number itself needs far more steps than the CPU demo has);
-    the tokenizer also sees the eval's filler text. ``model_kw``: ``build_model`` sizes.
+    the tokenizer also sees the eval's filler text. ``document_masking``: rows also carry ``position_ids``
+    restarting at every document (``prepare_data.py --document-masking``), so attention stays inside documents.
+    ``model_kw``: ``build_model`` sizes.
     """
     import json
 
@@ -145,8 +147,18 @@ def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, ne
     paths = {"model": model_dir, "corpus": corpus}
     ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
     for L in seq_lengths:
-        paths[f"data_{L}"] = pack_documents(ids, L, os.path.join(out, f"data_{L}"), tok.bos_token_id,
-                                            tok.eos_token_id, progress=False)
+        path = os.path.join(out, f"data_{L}")
+        if document_masking:
+            import datasets
+
+            from .data import save_dataset_atomic
+            from .packed_data import pack_text
+            rows = list(pack_text(ids, L, tok.bos_token_id, tok.eos_token_id))
+            feats = datasets.Features({k: datasets.Sequence(datasets.Value("int32")) for k in rows[0]})
+            save_dataset_atomic(datasets.Dataset.from_list(rows, features=feats), path)
+            paths[f"data_{L}"] = path
+        else:
+            paths[f"data_{L}"] = pack_documents(ids, L, path, tok.bos_token_id, tok.eos_token_id, progress=False)
     return paths
 
 
@@ -157,9 +169,11 @@ if __name__ == "__main__":
     p.add_argument("--docs", type=int, default=200)
     p.add_argument("--needle-docs", type=int, default=0, help="passkey documents in eval_needle's format")
     p.add_argument("--needle-max-sentences", type=int, default=16, help="filler sentences per passkey document")
+    p.add_argument("--document-masking", action="store_true", help="position_ids restarting per document")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     a = p.parse_args()
     for k, v in build_all(a.out, a.seq_lengths, a.docs, needle_docs=a.needle_docs,
-                          needle_max_sentences=a.needle_max_sentences, hidden=a.hidden, layers=a.layers).items():
+                          needle_max_sentences=a.needle_max_sentences, document_masking=a.document_masking,
+                          hidden=a.hidden, layers=a.layers).items():
         print(f"{k}: {v}")
