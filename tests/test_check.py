@@ -30,7 +30,20 @@ def configs(tmp_path_factory):
                        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}).save_pretrained(root / "big")
     tf.MistralConfig(**_TINY, sliding_window=8).save_pretrained(root / "windowed")
+    # every other supported family, as a user's config.json (built from tests/model_equiv's tiny configs)
+    from tests.model_equiv import EXTRA_FAMILIES, make_config
+    for family in EXTRA_FAMILIES:
+        extra = {"sliding_window": 6} if family == "gemma3" else {}  # local layers really windowed
+        make_config(family, num_hidden_layers=4, **extra).save_pretrained(root / family)
     return root
+
+
+# every supported family under some mode (all modes across them), in the shared 4-rank spawn
+FAMILY_CASES = {"mixtral": ["--parallel_mode", "ulysses_attn", "--seq-len", "24"],
+                "qwen3_moe": ["--parallel_mode", "usp_attn", "--ring_degree", "2"],
+                "phi3": ["--parallel_mode", "dist_flash_attn"],
+                "olmo2": ["--parallel_mode", "zigzag_ring_attn", "--packed"],
+                "gemma3": ["--parallel_mode", "zigzag_ring_attn", "--seq-len", "32"]}
 
 
 def _plan(argv):
@@ -56,6 +69,7 @@ def test_cases_on_four_ranks(configs):
         "qwen2_ulysses": qwen2 + ["--parallel_mode", "ulysses_attn", "--world", "4", "--seq-len", "24"],
         "big_shrunk_dist_flash": ["--model", str(configs / "big"), "--parallel_mode", "dist_flash_attn",
                                   "--world", "4", "--hidden", "256", "--vocab", "64"],
+        **{f"family_{f}": ["--model", str(configs / f), "--world", "4", *a] for f, a in FAMILY_CASES.items()},
         "windowed_zigzag_packed": ["--model", str(configs / "windowed"), "--world", "4", "--seq-len", "32",
                                    "--packed"],
         "theta": llama + ["--parallel_mode", "usp_attn", "--world", "4", "--ring_degree", "2",
@@ -69,7 +83,7 @@ def test_cases_on_four_ranks(configs):
     for (name, (case, info)), outcome in zip(planned.items(), outcomes):
         reports[name] = check.judge(case, info, outcome)
     for name in ("zigzag_sp2_dp2", "usp", "usp_packed", "qwen2_zigzag_dp2_packed", "qwen2_ulysses", "big_shrunk_dist_flash",
-                 "windowed_zigzag_packed"):
+                 "windowed_zigzag_packed", *(f"family_{f}" for f in FAMILY_CASES)):
         text, code = reports[name]
         assert code == 0 and "\nPASS" in text, f"{name}:\n{text}"
     assert "R2×U2" in reports["usp"][0]

@@ -17,9 +17,9 @@ port() { python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0))
 train() { accelerate launch --config_file accelerate_configs/cpu.yaml --main_process_port "$(port)" train.py "$@"; }
 cpu2() { ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 --main_process_port "$(port)" "$@"; }
 
-echo "== [1/5] tiny Llama + byte-level tokenizer + packed corpus (prose + passkey documents) -> $OUT/assets"
+echo "== [1/5] tiny Llama + byte-level tokenizer + packed corpus (prose + passkey documents, masked per document) -> $OUT/assets"
 rm -rf "$OUT/assets" "$OUT/stage1" "$OUT/stage2" "$OUT/eval"
-python -m easy_context.training.toy "$OUT/assets" --seq-lengths 256 512 --docs 400 --needle-docs 3000 \
+python -m easy_context.training.toy "$OUT/assets" --seq-lengths 256 512 --docs 400 --needle-docs 3000 --document-masking \
   --needle-max-sentences 6
 
 echo "== [2/5] stage 1: seq 256, rope theta 2e4, zigzag_ring_attn on 2 CPU processes, DeepSpeed ZeRO-3"
