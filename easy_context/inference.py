@@ -195,6 +195,8 @@ class _State:
     def __init__(self):
         self.phase = "forward"      # forward | prefill | decode
         self.keep = None            # (S_local,) bool: real (unpadded) positions of this rank's shard
+        self.prompt_pos = None      # (S_keep,) global positions of the kept prompt rows (sliding windows)
+        self.cur = 0                # global position of the token being decoded
         self.prompt_kv = {}         # layer -> (K, V) local prompt shard, (B, S_keep, Hkv, D)
         self.gen_kv = {}            # layer -> (K, V) generated tokens, replicated
 
@@ -232,16 +234,19 @@ class SeqParallelLM:
         def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       sliding_window=None, **kwargs):
             if state.phase == "decode":
-                return engine._decode_attention(module, query, key, value, scaling), None
+                return engine._decode_attention(module, query, key, value, scaling, sliding_window), None
             if engine._sp_attn is not None:
                 out, _ = engine._sp_attn(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, sliding_window=sliding_window, **kwargs)
             else:
-                if sliding_window is not None and sliding_window < query.shape[2]:
-                    raise ValueError("sliding-window attention is not supported by the eval path; "
-                                     "set config.sliding_window=None")
+                docs = None
+                if sliding_window is not None and sliding_window < query.shape[2]:  # a local layer
+                    from .packing import Documents
+                    n = query.shape[2]
+                    idx = torch.arange(n)
+                    docs = Documents(torch.zeros(1, n, dtype=torch.long), sliding_window).block(idx, idx)
                 out, _ = kernels.attn_forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                              causal=True, softmax_scale=scaling)
+                                              causal=True, softmax_scale=scaling, docs=docs)
             if state.phase == "prefill":
                 keep = state.keep
                 state.prompt_kv[module.layer_idx] = (key.transpose(1, 2)[:, keep].contiguous(),
@@ -334,7 +339,9 @@ class SeqParallelLM:
         st.prompt_kv, st.gen_kv = {}, {}
         try:
             st.phase = "prefill"
-            st.keep = self._local_positions(n, 1)[0] < n
+            pos = self._local_positions(n, 1)[0]
+            st.keep = pos < n
+            st.prompt_pos = pos[st.keep]
             hidden, local_pos = self._forward(prompt_ids, pad_id)
             last = self._rows(hidden, local_pos, n - 1, n)[:, -1]
             del hidden
@@ -348,16 +355,18 @@ class SeqParallelLM:
                 new.append(int(tok.item()))
                 if new[-1] in eos or step == max_new_tokens - 1:
                     break
+                st.cur = n + step
                 out = self.model.get_decoder()(input_ids=tok.view(1, 1),
                                                position_ids=torch.tensor([[n + step]], device=self.device),
                                                use_cache=False)
                 last = out.last_hidden_state[:, -1]
             return new
         finally:
-            st.phase, st.keep, st.prompt_kv, st.gen_kv = "forward", None, {}, {}
+            st.phase, st.keep, st.prompt_kv, st.gen_kv, st.prompt_pos = "forward", None, {}, {}, None
 
-    def _decode_attention(self, module, query, key, value, scaling):
-        """One new token's attention over [distributed prompt KV] + [replicated generated KV]."""
+    def _decode_attention(self, module, query, key, value, scaling, window=None):
+        """One new token's attention over [distributed prompt KV] + [replicated generated KV]; a layer's
+        sliding window keeps only keys at positions > cur - window (HF's rule)."""
         st = self.state
         q = query.transpose(1, 2)                                   # (B, 1, Hq, D)
         k_new, v_new = key.transpose(1, 2), value.transpose(1, 2)   # (B, 1, Hkv, D)
@@ -370,10 +379,14 @@ class SeqParallelLM:
         b, _, hq, d = q.shape
         # generated block first: it always contains the token itself, so the running lse is finite and
         # an empty prompt shard (lse = -inf) merges as a no-op.
+        pk, pv = st.prompt_kv[layer]
+        if window is not None:
+            k_new, v_new = k_new[:, -window:], v_new[:, -window:]  # generated rows end at cur
+            near = st.prompt_pos > st.cur - window
+            pk, pv = pk[:, near], pv[:, near]
         o, l = kernels.attn_forward(q, k_new, v_new, causal=False, softmax_scale=scale)
         acc_out = o.float()
         acc_lse = l.float().clone()
-        pk, pv = st.prompt_kv[layer]
         if pk.shape[1]:
             po, pl = kernels.attn_forward(q, pk, pv, causal=False, softmax_scale=scale)
         else:

@@ -281,6 +281,61 @@ def test_sp_modes_equal_single_process_w2(tiny):
     run_ranks(_sp_body, 2, args=(tiny, SP_MODES), timeout=180)
 
 
+def _window_body(rank, world, model_dir):
+    """A Mistral with a 16-token sliding window: SP prefill (windowed ring blocks) + distributed decode (each
+    rank's prompt KV cut to the window) give model.generate's tokens; teacher-forced logits equal HF's."""
+    import transformers as tf
+
+    from easy_context.inference import SeqParallelLM, sp_group_kwargs
+    tok = tf.AutoTokenizer.from_pretrained(model_dir)
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert model.config.sliding_window == 16
+    p = needle_prompt(tok, length=101, depth=0.9)
+    ids = torch.tensor([p.input_ids])
+    ans = torch.tensor([p.answer_ids])
+    with torch.no_grad():
+        ref_gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                                 do_sample=False, pad_token_id=1)[0, ids.shape[1]:].tolist()
+        n = ids.shape[1]
+        ref_tf = model(torch.cat([ids, ans], 1)).logits[0, n - 1:n + ans.shape[1] - 1].argmax(-1)
+    full = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    full.config.sliding_window = None
+    with torch.no_grad():  # the window really matters for this prompt
+        assert full.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                             do_sample=False, pad_token_id=1)[0, n:].tolist() != ref_gen
+    for mode in ("data_parallel", "zigzag_ring_attn", "ulysses_attn"):
+        eng = SeqParallelLM(model, mode, groups=sp_group_kwargs(mode))
+        got = eng.generate(ids, 24)  # 24 > window: the generated KV is cut too
+        assert got == ref_gen, f"{mode} W={world}: generate {got} != model.generate {ref_gen}"
+        assert torch.equal(eng.teacher_forced(ids, ans)[0], ref_tf), mode
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def windowed(tiny, tmp_path_factory):
+    import shutil
+
+    import transformers as tf
+    out = tmp_path_factory.mktemp("windowed") / "model"
+    cfg = tf.AutoConfig.from_pretrained(tiny)
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(tf.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=cfg.vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=1, sliding_window=16,
+        rope_theta=10000.0, max_position_embeddings=4096))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(out)
+    for f in os.listdir(tiny):
+        if f.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(tiny, f), out / f)
+    return str(out)
+
+
+def test_sliding_window_generation_equals_hf(windowed):
+    run_ranks(_window_body, 2, args=(windowed,), timeout=180)
+
+
 @pytest.mark.slow
 def test_sp_modes_equal_single_process_w4(tiny):
     run_ranks(_sp_body, 4, args=(tiny, SP_MODES), timeout=300)
