@@ -19,6 +19,8 @@ needs the whole weight again.)
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..loss import IGNORE_INDEX, global_count
@@ -106,26 +108,35 @@ def chunked_lm_loss(hidden, lm_head_weight, targets, chunk_size=None, ignore_ind
                                chunk_size, ignore_index)
 
 
-def lm_head_loss(lm_head: torch.nn.Module, hidden, targets, chunk_size=None, ignore_index=IGNORE_INDEX):
-    """``chunked_lm_loss`` run as ``lm_head``'s own forward, so ZeRO-3 / FSDP module hooks gather the
-    (partitioned) weight for forward and backward. ``lm_head`` must be a bias-free Linear-like module with
-    ``.weight`` of shape (V, d)."""
+@contextlib.contextmanager
+def head_as_loss(lm_head: torch.nn.Module, targets, chunk_size=None, ignore_index=IGNORE_INDEX, nll_only=False):
+    """Inside the block, ``lm_head(hidden)`` returns ``chunked_lm_loss(hidden, weight, targets)`` — (NLL sum,
+    count), or the NLL sum alone with ``nll_only`` — instead of logits. It runs as the head's own forward, so
+    ZeRO-3 / FSDP module hooks gather the (partitioned) weight for forward and backward, also when the call comes
+    from inside a wrapped model's forward. ``lm_head`` must be a bias-free Linear-like module, weight (V, d)."""
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("chunked loss supports a bias-free lm_head only (Llama/Mistral/Qwen have none)")
 
-    def forward(h, t):
-        return chunked_lm_loss(h, lm_head.weight, t, chunk_size, ignore_index)
+    def forward(h):
+        out = chunked_lm_loss(h, lm_head.weight, targets, chunk_size, ignore_index)
+        return out[0] if nll_only else out
 
     had = "forward" in lm_head.__dict__
     prev = lm_head.__dict__.get("forward")
     lm_head.forward = forward
     try:
-        return lm_head(hidden, targets)
+        yield lm_head
     finally:
         if had:
             lm_head.forward = prev
         else:
             del lm_head.forward
+
+
+def lm_head_loss(lm_head: torch.nn.Module, hidden, targets, chunk_size=None, ignore_index=IGNORE_INDEX):
+    """(NLL sum, count) of ``targets`` from ``hidden`` through ``lm_head`` in chunks (``head_as_loss``)."""
+    with head_as_loss(lm_head, targets, chunk_size, ignore_index):
+        return lm_head(hidden)
 
 
 def global_token_count(count: torch.Tensor, group=None) -> torch.Tensor:
@@ -161,5 +172,5 @@ def causal_lm_loss(model, input_ids, position_ids, targets, group=None, chunk_si
     return nll / global_token_count(count, group).clamp_min(1.0)
 
 
-__all__ = ["ChunkedLMLoss", "chunked_lm_loss", "lm_head_loss", "causal_lm_loss", "global_token_count",
+__all__ = ["ChunkedLMLoss", "chunked_lm_loss", "head_as_loss", "lm_head_loss", "causal_lm_loss", "global_token_count",
            "default_chunk_size"]

@@ -61,16 +61,10 @@ def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, r
     """
     kw = {"output_router_logits": True} if router is not None else {}
     if chunked:
-        from easy_context.memory import chunked_lm_loss
+        from easy_context.memory.chunked_loss import head_as_loss
 
-        head = unwrapped.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ValueError("--chunked-loss needs a bias-free LM head")
-        head.forward = lambda hidden: chunked_lm_loss(hidden, head.weight, targets)[0]
-        try:
+        with head_as_loss(unwrapped.get_output_embeddings(), targets, nll_only=True):
             out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)
-        finally:
-            del head.forward
         if router is not None:
             router.append(out.router_logits)
         return out.logits
