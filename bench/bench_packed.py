@@ -84,6 +84,30 @@ def count_only(lengths_L, world, median, sigma):
     return rows
 
 
+def balance_study(lengths_L, world, median, sigma, per_rank=(1, 2, 4, 8)):
+    """What a finer, cost-aware split would give (a design study; not what the ring runs today): the row cut into
+    2W·k equal chunks, a rank's work = sum over its q tokens of the keys they attend to (position in document + 1,
+    which is what a ring computes for its q rows); chunks dealt as mirrored pairs (zigzag's rule, k pairs a rank)
+    vs greedily by cost (largest first to the least-loaded rank)."""
+    rows = []
+    for L in lengths_L:
+        cost = positions(doc_lengths(L, median, sigma))[0].double() + 1
+        for k in per_rank:
+            n = 2 * world * k
+            if L % n:
+                continue
+            c = cost.view(n, -1).sum(1)
+            mirrored = torch.zeros(world, dtype=torch.float64)
+            for i in range(n // 2):
+                mirrored[i % world] += c[i] + c[n - 1 - i]
+            greedy = torch.zeros(world, dtype=torch.float64)
+            for v in sorted(c.tolist(), reverse=True):
+                greedy[greedy.argmin()] += v
+            rows.append(dict(L=L, W=world, chunks=n, mirrored_max_over_mean=f"{float(mirrored.max() / mirrored.mean()):.3f}",
+                             greedy_max_over_mean=f"{float(greedy.max() / greedy.mean()):.3f}"))
+    return rows
+
+
 def simulate(L, world, heads, dim, median, sigma, iters, device="cuda"):
     lens = doc_lengths(L, median, sigma)
     docs = packing.documents(positions(lens))
@@ -154,6 +178,9 @@ def main():
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "
           f"sigma {args.sigma:g})\n")
     print(table(counts, ["L", "W", "docs", "mean_doc", "max_doc", "work_vs_stream", "max_over_mean"]))
+    print("\n## Balance study: finer chunks, mirrored pairs vs greedy by cost (q-side work per rank)\n")
+    print(table(balance_study(args.lengths, args.world, args.median, args.sigma),
+                ["L", "W", "chunks", "mirrored_max_over_mean", "greedy_max_over_mean"]))
     if args.count:
         return
     if not torch.cuda.is_available():

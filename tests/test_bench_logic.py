@@ -48,3 +48,18 @@ def test_packed_bench_replay_is_exact_and_counts_less_work():
     assert float(r["err"]) < 1e-5, r
     (row,) = count_only([8192], 4, 300, 1.0)
     assert float(row["work_vs_stream"]) < 0.5, row
+
+
+def test_balance_study_mirrored_pairs_balance_one_stream():
+    """One causal stream: zigzag's mirrored pairs are exactly balanced; packed rows are not, greedy helps."""
+    from bench import bench_packed
+    from bench.bench_packed import balance_study
+    orig = bench_packed.doc_lengths
+    try:
+        bench_packed.doc_lengths = lambda total, *a, **k: [total]
+        for r in balance_study([4096], 4, 1500, 1.5):
+            assert r["mirrored_max_over_mean"] == "1.000", r
+    finally:
+        bench_packed.doc_lengths = orig
+    rows = balance_study([65536], 4, 1500, 1.5, per_rank=(4,))
+    assert float(rows[0]["greedy_max_over_mean"]) <= float(rows[0]["mirrored_max_over_mean"]), rows
