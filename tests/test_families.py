@@ -1,7 +1,7 @@
 """More model families under every sequence-parallel mode: MoE (Mixtral, Qwen3-MoE), fused projections (Phi-3),
 q/k norms (OLMo-2), Gemma 3 (local/global layers with a window >= the length, query_pre_attn_scalar). Each equals
-one process (logits, loss, every gradient; float32, rel 1e-5), W = 2 for every mode and W = 4 (zigzag, USP) for
-one MoE family; packed documents for two; sliding windows (shorter than a chunk, longer than a shard, 2 tokens,
+one process (logits, loss, every gradient; float32, rel 1e-5), W = 2 for every mode (USP as ring 2) and W = 4
+(zigzag, USP 2x2) for one MoE family; packed documents for two; sliding windows (shorter than a chunk, longer than a shard, 2 tokens,
 Gemma 3's local layers, with packed documents) under every mode; soft-capping refuses by name."""
 from __future__ import annotations
 
@@ -36,9 +36,13 @@ def _refusals(rank, world_size):
 
 def _w2(rank, world_size):
     from tests.model_equiv import check_model_equivalence
+    from easy_context import ParallelLayout
+    usp = ParallelLayout.build("usp_attn", ring_degree=2)  # W=2: ring 2 x ulysses 1 (USP's ring path)
     for family in EXTRA_FAMILIES:
         for mode in MODES:
             check_model_equivalence(rank, world_size, mode, family, labels_mask="random")
+        check_model_equivalence(rank, world_size, "usp_attn", family, layout_kw=usp.layout_kw,
+                                groups=usp.attn_groups(), sp_group=usp.sp_group)
     check_model_equivalence(rank, world_size, "zigzag_ring_attn", "phi3", patch="family")
     for family, mode in (("mixtral", "zigzag_ring_attn"), ("gemma3", "ulysses_attn")):
         check_model_equivalence(rank, world_size, mode, family, position_ids=DOCS)
