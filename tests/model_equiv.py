@@ -29,7 +29,7 @@ from easy_context import (apply_seq_parallel_monkey_patch, prepare_seq_parallel_
 from tests.tols import assert_close
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # fused-op families; more in EXTRA_FAMILIES
-EXTRA_FAMILIES = ("mixtral", "qwen3_moe", "phi3", "olmo2", "gemma3")
+EXTRA_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "phi3", "olmo2", "gemma3")
 IGNORE = -100
 
 # Tiny but not trivial: GQA (4 q heads / 2 kv heads), head_dim 16, 2 layers, a non-default RoPE theta.
@@ -53,6 +53,10 @@ def make_config(family: str, **overrides):
     elif family == "mixtral":  # MoE: routing is per token, so SP must leave it untouched
         cls = tf.MixtralConfig
         kw.update(sliding_window=None, num_local_experts=4, num_experts_per_tok=2)
+    elif family == "qwen2_moe":  # MoE with a shared expert
+        cls = tf.Qwen2MoeConfig
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  use_sliding_window=False, sliding_window=None, decoder_sparse_step=1)
     elif family == "qwen3_moe":
         cls = tf.Qwen3MoeConfig
         kw.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)

@@ -40,6 +40,7 @@ def configs(tmp_path_factory):
 
 # every supported family under some mode (all modes across them), in the shared 4-rank spawn
 FAMILY_CASES = {"mixtral": ["--parallel_mode", "ulysses_attn", "--seq-len", "24"],
+                "qwen2_moe": ["--parallel_mode", "zigzag_ring_attn", "--sp_size", "2"],
                 "qwen3_moe": ["--parallel_mode", "usp_attn", "--ring_degree", "2"],
                 "phi3": ["--parallel_mode", "dist_flash_attn"],
                 "olmo2": ["--parallel_mode", "zigzag_ring_attn", "--packed"],
