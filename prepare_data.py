@@ -95,15 +95,13 @@ def run_chat(args, ds):
 
 
 def _save_rows(rows, args, stats):
-    import datasets
     from tqdm.auto import tqdm
 
-    from easy_context.training.data import save_dataset_atomic
+    from easy_context.training.packed_data import save_rows
     rows = list(tqdm(rows, desc="packing", unit="row"))
     if not rows:
         raise UsageError(f"not enough tokens for one row of {args.seq_length + 1}")
-    feats = datasets.Features({k: datasets.Sequence(datasets.Value("int32")) for k in rows[0]})
-    save_dataset_atomic(datasets.Dataset.from_list(rows, features=feats), args.output)
+    save_rows(rows, args.output)
     split = f"; {stats['split']} conversations longer than a row were cut into row-sized documents" \
         if stats.get("split") else ""
     print(f"wrote {len(rows)} rows of {args.seq_length + 1} tokens with labels and position_ids to {args.output}{split}")

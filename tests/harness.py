@@ -13,8 +13,6 @@ instead of hanging CI. Put many cases in one body: each spawn pays seconds of im
 """
 from __future__ import annotations
 
-import datetime
-import os
 import queue
 import socket
 import time
@@ -30,25 +28,19 @@ def free_port() -> int:
 
 
 def _entry(fn, rank, world_size, port, args, kwargs, results, collective_timeout):
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
+    from easy_context.tools.gloo import gloo_process
+    reported = False
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout))
-        fn(rank, world_size, *args, **kwargs)
-        results.put((rank, None))
-    except BaseException:  # report everything, including assertion failures
-        results.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        with gloo_process(rank, world_size, port, collective_timeout):
+            try:  # report before the group is torn down: peers may be blocked in a collective
+                fn(rank, world_size, *args, **kwargs)
+                results.put((rank, None))
+            except BaseException:  # report everything, including assertion failures
+                results.put((rank, traceback.format_exc()))
+            reported = True
+    except BaseException:  # the group itself failed to start
+        if not reported:
+            results.put((rank, traceback.format_exc()))
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,

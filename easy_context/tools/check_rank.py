@@ -9,41 +9,29 @@ sequence in one process (per document for packed rows). Numbers go back to the p
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import traceback
 
-IGNORE = -100
+from ..loss import IGNORE_INDEX as IGNORE
+from ..loss import token_nll_sum
 
 
 def rank_entry(rank: int, world_size: int, port: int, cases: list, results, collective_timeout: float) -> None:
     """Spawn target: one gloo process; puts ``(rank, case_index, "info"|"ok"|"error", payload)`` per case,
     then ``(rank, None, "done", None)``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # W ranks share the machine's cores
+    from .gloo import gloo_process
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout))
-        for i, case in enumerate(cases):
-            try:
-                send = (lambda payload, i=i: results.put((rank, i, "info", payload)))
-                results.put((rank, i, "ok", run_case(case, send)))
-            except Exception:  # reported per case; the parent turns it into FAIL with the message
-                results.put((rank, i, "error", traceback.format_exc()))
-        results.put((rank, None, "done", None))
+        with gloo_process(rank, world_size, port, collective_timeout):
+            for i, case in enumerate(cases):
+                try:
+                    send = (lambda payload, i=i: results.put((rank, i, "info", payload)))
+                    results.put((rank, i, "ok", run_case(case, send)))
+                except Exception:  # reported per case; the parent turns it into FAIL with the message
+                    results.put((rank, i, "error", traceback.format_exc()))
+            results.put((rank, None, "done", None))
     except BaseException:
         results.put((rank, None, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -81,14 +69,6 @@ def make_batch(batch: int, seq_len: int, vocab: int, seed: int, packed: bool):
     return input_ids, position_ids, target_ids
 
 
-def _ce(logits, target_ids):
-    """(sum of CE over valid targets, number of valid targets); 0, not NaN, when none is valid."""
-    import torch.nn.functional as F
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target_ids.reshape(-1),
-                         ignore_index=IGNORE, reduction="sum")
-    return ce, (target_ids != IGNORE).sum()
-
-
 def _grads(model) -> dict:
     import torch
     # a parameter that got no gradient (an MoE expert no token picked) counts as zeros, on both sides
@@ -110,7 +90,7 @@ def reference_step(model, input_ids, position_ids, target_ids, packed: bool):
         logits = torch.cat(rows, dim=0)
     else:
         logits = model(input_ids, position_ids=position_ids, use_cache=False).logits
-    ce, n = _ce(logits, target_ids)
+    ce, n = token_nll_sum(logits, target_ids)
     loss = ce / n
     loss.backward()
     return logits.detach(), loss.detach(), _grads(model)
@@ -197,7 +177,7 @@ def run_case(case, send=lambda payload: None) -> dict | None:
     sp_model.zero_grad(set_to_none=True)
     logits = sp_model(prepared["local_input_ids"], position_ids=prepared["local_position_ids"],
                       use_cache=False).logits
-    local_sum, local_n = _ce(logits, prepared["local_target_ids"])
+    local_sum, local_n = token_nll_sum(logits, prepared["local_target_ids"])
     n = local_n.clone()
     dist.all_reduce(n, group=sp_group)
     loss = local_sum / n  # the global token mean, whatever share of labels this rank holds

@@ -99,6 +99,15 @@ def pack_text(docs, seq_length: int, bos, eos):
             del ids[:row_len], pos[:row_len]
 
 
+def save_rows(rows: list[dict], output: str) -> None:
+    """Rows of int lists (input_ids / labels / position_ids) as a dataset at ``output`` (temp dir + rename)."""
+    import datasets
+
+    from .data import save_dataset_atomic
+    feats = datasets.Features({k: datasets.Sequence(datasets.Value("int32")) for k in rows[0]})
+    save_dataset_atomic(datasets.Dataset.from_list(rows, features=feats), output)
+
+
 def batch_targets(batch: dict):
     """(input_ids, position_ids, targets) of a collated batch of rows of seq_length + 1."""
     import torch

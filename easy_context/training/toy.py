@@ -149,13 +149,8 @@ def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, ne
     for L in seq_lengths:
         path = os.path.join(out, f"data_{L}")
         if document_masking:
-            import datasets
-
-            from .data import save_dataset_atomic
-            from .packed_data import pack_text
-            rows = list(pack_text(ids, L, tok.bos_token_id, tok.eos_token_id))
-            feats = datasets.Features({k: datasets.Sequence(datasets.Value("int32")) for k in rows[0]})
-            save_dataset_atomic(datasets.Dataset.from_list(rows, features=feats), path)
+            from .packed_data import pack_text, save_rows
+            save_rows(list(pack_text(ids, L, tok.bos_token_id, tok.eos_token_id)), path)
             paths[f"data_{L}"] = path
         else:
             paths[f"data_{L}"] = pack_documents(ids, L, path, tok.bos_token_id, tok.eos_token_id, progress=False)

@@ -1,0 +1,27 @@
+"""One gloo process on this machine: what every spawned CPU rank (``check``, the tests' harness) sets up."""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+
+@contextlib.contextmanager
+def gloo_process(rank: int, world_size: int, port: int, collective_timeout: float):
+    """torchrun's environment, one thread (W ranks share the cores), a gloo group for the block; always torn down."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
+        yield
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
