@@ -27,6 +27,7 @@ import gc
 import json
 import math
 import os
+import resource
 import sys
 import time
 
@@ -55,6 +56,13 @@ def keep_every_k(model, L, host_gib):
     return max(1, math.ceil(need / host_gib))
 
 
+def pick_selective(n_layers: int, every_k: int, n: int) -> list[int]:
+    """The ``n`` layers whose attention recompute costs most: in a nested group of k layers the j-th (0-based)
+    is recomputed k - j times in the backward; ties go to later layers (their backward comes first)."""
+    order = sorted(range(n_layers), key=lambda i: (-(every_k - i % every_k), -i))
+    return sorted(order[:max(0, min(n, n_layers))])
+
+
 def configure(model, impl, L, args):
     from easy_context import apply_seq_parallel_monkey_patch
     from easy_context.memory import configure_memory
@@ -69,9 +77,14 @@ def configure(model, impl, L, args):
         return configure_memory(model, "layer")
     host = args.probe_host_gib if impl == "probe" else args.host_gib
     k = keep_every_k(model, L, host) if args.checkpointing == "offload" else args.every_k
+    some = None
+    if args.selective_layers is not None and impl == "ours":
+        some = pick_selective(model.config.num_hidden_layers, k if args.checkpointing in ("offload", "nested") else 1,
+                              args.selective_layers)
     cfg = configure_memory(model, args.checkpointing, offload_every_k=k,
                            tiled_mlp="auto" if args.tiles == "auto" else int(args.tiles),
-                           selective=args.selective, lean_norm=not args.no_lean_norm)
+                           selective=args.selective or some is not None, lean_norm=not args.no_lean_norm,
+                           selective_layers=some)
     if not args.no_fused_rope:
         apply_fused_ops(model, norms=False, rope=True)
     if impl == "probe":
@@ -212,6 +225,8 @@ def cleanup(model, device):
 def measure(model, impl, L, args, device, opt=False):
     cfg = configure(model, impl, L, args)
     row = dict(impl=impl, L=L, k=getattr(cfg, "offload_every_k", "") if impl in ("ours", "probe") else "")
+    if getattr(cfg, "selective_layers", None) is not None:
+        row["sel"] = len(cfg.selective_layers)
     mgr = getattr(cfg, "offload", None)
     if mgr is not None and device.type == "cuda" and mgr.offload:
         # pin the host chunks off the clock (pinning is slow); the pool is reused by later lengths
@@ -237,6 +252,7 @@ def measure(model, impl, L, args, device, opt=False):
     row.update(status="ok", secs=round(dt, 1), loss=round(loss, 4))
     if device.type == "cuda":
         row["peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
+    row["host_peak_GiB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB / GiB, 1)  # process RSS
     if impl != "probe":
         tok_s = L / dt
         row["tok_s"] = round(tok_s)
@@ -316,6 +332,8 @@ def main():
                     help="pinned host memory for the probes (no optimizer states are held then)")
     ap.add_argument("--tiles", default="auto", help="tiled MLP: 'auto' (~hidden_size tokens/tile) or a count")
     ap.add_argument("--selective", action="store_true", help="ours also keeps attention outputs (faster)")
+    ap.add_argument("--selective-layers", type=int, default=None,
+                    help="ours keeps the attention output of this many layers only (those recomputed most)")
     ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean (fused) RMSNorm")
     ap.add_argument("--no-fused-rope", action="store_true", help="ours with HF's RoPE instead of the fused one")
     ap.add_argument("--budget-s", type=float, default=510.0, help="whole-run wall-clock budget (seconds)")
@@ -418,8 +436,8 @@ def main():
             if mine:
                 speed[r["L"]] = round(mine["tok_s"] / r["tok_s"], 3)
 
-    cols = ["impl", "L", "k", "status", "secs", "peak_GiB", "tok_s", "MFU", "opt_secs", "opt_peak_GiB",
-            "opt_host_GiB"]
+    cols = ["impl", "L", "k", "sel", "status", "secs", "peak_GiB", "tok_s", "MFU", "opt_secs", "opt_peak_GiB",
+            "opt_host_GiB", "host_peak_GiB"]
     print("\n## Memory: Llama-2-7B shape, one GPU, fwd+bwd, batch 1, bf16\n")
     print(env_line())
     print(table(rows, cols))

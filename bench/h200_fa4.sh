@@ -7,6 +7,9 @@
 #   bash bench/h200_fa4.sh packed    # GPU tests of document masking (fa4 varlen) + bench_packed 128K/512K W=8
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
 #   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4
+#   bash bench/h200_fa4.sh lora      # bench_lora: LoRA vs full fine-tuning, 7B shape at 128K (peak memory, tok/s)
+#   bash bench/h200_fa4.sh m512-start    # one real 7B fwd+bwd at 512K, detached (setsid: it outlives the call,
+#   bash bench/h200_fa4.sh m512-wait N   #   ~10 min, over one call's limit); wait up to N s, copy its log to $OUT
 # install also installs .whl/ (deepspeed, datasets: bash ../shared/tools/device_wheels.sh ds) when carried.
 # Wheels: bash ../shared/tools/device_wheels.sh fa4 (fills .fa4a/.fa4b, both git-ignored).
 set -euo pipefail
@@ -39,5 +42,20 @@ case "${1:-}" in
   trainpy-b)
     python3 bench/bench_train_py.py --shape llama3.2-3b --seq-length 32768 --configs gpu --ga 1 4 --steps 3 \
       --work /tmp/trainpy 2>&1 | grep -v Warn | tee "$OUT/train_py_b.log" | tail -12 ;;
-  *) echo "usage: $0 keep|install|kernels|step|trainpy-a|trainpy-b" >&2; exit 2 ;;
+  lora)
+    python3 bench/bench_lora.py 2>&1 | grep -v Warn | tee "$OUT/lora.log" | tail -10 ;;
+  m512-start)
+    # 512K: layer inputs offloaded one per 2 layers (64 GiB pinned host memory: 128 GiB would not fit the host);
+    # the 7 layers recomputed most keep their attention output (~4 GiB each) in the GPU memory left over.
+    mkdir -p /tmp/keep && rm -f /tmp/keep/m512.*
+    OUT=/tmp/keep setsid nohup python3 bench/bench_memory.py --hf-lengths --off-lengths --probe-lengths \
+      --opt-length 0 --ours-lengths 524288 --host-gib 70 --selective-layers 7 --budget-s 1200 \
+      > /tmp/keep/m512.log 2>&1 < /dev/null & echo $! > /tmp/keep/m512.pid; echo "started pid $(cat /tmp/keep/m512.pid)" ;;
+  m512-wait)
+    end=$(( $(date +%s) + ${2:-500} ))
+    while kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
+    cp /tmp/keep/m512.log "$OUT/" 2>/dev/null; cp /tmp/keep/bench_memory.json "$OUT/m512.json" 2>/dev/null
+    grep -v Warn /tmp/keep/m512.log | tail -14; nvidia-smi --query-gpu=memory.used --format=csv ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|trainpy-a|trainpy-b|lora|m512-start|m512-wait N" >&2; exit 2 ;;
 esac

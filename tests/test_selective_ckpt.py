@@ -81,6 +81,35 @@ def test_data_parallel_equal_to_no_checkpointing(family):
         assert _live_caches() == 0, f"{tag}: per-layer caches outlive the step"
 
 
+def test_some_layers_only():
+    """``layers=`` keeps attention outputs of the chosen layers only (the 512K bench spends its spare GPU memory
+    so); the others recompute attention. Also on top of nested offload (k=2), where a group's first layer is
+    recomputed twice; and re-enabling with other layers unwraps the ones dropped."""
+    from easy_context.memory import configure_memory
+    ref = build_model("llama", num_hidden_layers=4)
+    batch = make_batch(2, 32, ref.config.vocab_size, labels_mask="random")
+    want_logits, want_loss, want_grads = reference_step(copy.deepcopy(ref), *batch)
+    for how, sdpa_calls in (("layer", 4 + 3), ("nested", 4 + 3 + 2 - 1)):
+        model = copy.deepcopy(ref)
+        if how == "layer":
+            enable_selective_checkpointing(model, layers=[0, 2])
+            enable_selective_checkpointing(model, layers=[1])  # 0 and 2 back to plain checkpointing
+        else:  # groups (0,1), (2,3): layers 0 and 2 run forward 3 times without selective; keep layer 0's output
+            configure_memory(model, "nested", offload_every_k=2, selective=True, selective_layers=[0])
+        counts = {}
+        with counting(F, "scaled_dot_product_attention", counts, "sdpa"):
+            logits, loss, grads = reference_step(model, *batch)
+        assert counts["sdpa"] == sdpa_calls, f"[{how}] attention ran {counts['sdpa']} times, want {sdpa_calls}"
+        assert_close(logits, want_logits, name=f"[{how}] logits")
+        assert_close(loss, want_loss, name=f"[{how}] loss")
+        for name in want_grads:
+            assert_close(grads[name], want_grads[name], name=f"[{how}] grad {name}")
+    with pytest.raises(ValueError, match="out of range"):
+        enable_selective_checkpointing(build_model("llama"), layers=[5])
+    with pytest.raises(ValueError, match="needs selective=True"):
+        configure_memory(build_model("llama"), "layer", selective_layers=[0])
+
+
 def test_enable_disable_and_eval():
     model = build_model("llama")
     layers = model.model.layers

@@ -31,6 +31,7 @@ class MemoryConfig:
     selective: bool = False
     lean_norm: bool = False
     offload: CheckpointOffload | None = None
+    selective_layers: tuple[int, ...] | None = None
 
 
 def _undo(model):
@@ -53,7 +54,7 @@ def _undo(model):
 
 def configure_memory(model, checkpointing: str = "layer", offload_every_k: int = 1,
                      tiled_mlp: bool | int | str = False, selective: bool = False,
-                     lean_norm: bool = False) -> MemoryConfig:
+                     lean_norm: bool = False, selective_layers=None) -> MemoryConfig:
     """Set the memory options of a transformers causal LM (call again to change them; idempotent).
 
     checkpointing: ``"none"``; ``"layer"`` (HF per-layer, non-reentrant); ``"selective"`` (keep attention
@@ -62,6 +63,7 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
     tiled_mlp: False, True/"auto" (tiles of ~hidden_size tokens, ALST's default) or a number of tiles.
     selective: also keep attention outputs over the chosen checkpointing (no attention recompute: faster,
       but +out/LSE per layer on the GPU); ``checkpointing="selective"`` is ``"layer"`` with this on.
+    selective_layers: with selective, only these decoder layer indices keep their attention output (None = all).
     lean_norm: RMSNorms keep their input + fp32 inverse RMS, not fp32 upcasts, and run as one fused kernel
       each way on CUDA (easy_context.ops.rms_norm; Llama/Mistral/Qwen2/Qwen3 norms). Fused RoPE is
       ``easy_context.ops.apply_fused_ops``.
@@ -90,12 +92,15 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
         except ImportError as e:
             raise ValueError("selective checkpointing needs easy_context/memory/selective.py "
                              f"(not available: {e})") from None
-        enable_selective_checkpointing(model)
+        enable_selective_checkpointing(model, layers=selective_layers)
+    elif selective_layers is not None:
+        raise ValueError("selective_layers needs selective=True (or checkpointing='selective')")
     if tiled_mlp:
         apply_tiled_mlp(model, "auto" if tiled_mlp is True else tiled_mlp)
     if lean_norm:
         apply_lean_norms(model)
-    return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, bool(selective), bool(lean_norm), mgr)
+    return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, bool(selective), bool(lean_norm), mgr,
+                        None if selective_layers is None else tuple(int(i) for i in selective_layers))
 
 
 __all__ = ["configure_memory", "MemoryConfig", "CHECKPOINTING", "causal_lm_loss", "chunked_lm_loss",

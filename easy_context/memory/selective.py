@@ -259,25 +259,34 @@ def is_selective(model) -> bool:
                for m in _layers(model))
 
 
-def enable_selective_checkpointing(model, checkpoint_kwargs: dict | None = None):
+def enable_selective_checkpointing(model, checkpoint_kwargs: dict | None = None, layers=None):
     """Checkpoint every decoder layer of ``model`` but keep each layer's attention output (and LSE).
+
+    ``layers``: indices of the decoder layers that keep their attention output (None = all). The others stay
+    plain checkpointed layers (their backward recomputes attention): the way to spend exactly the GPU memory
+    there is — e.g. at 512K one 7B layer's output is 4 GiB, so only some layers can keep theirs.
 
     If the model already checkpoints its layers (any kwargs, ``every_n_layers``, offload), those layers
     become selective with the same checkpoint function; otherwise per-layer non-reentrant checkpointing
     is switched on first (``checkpoint_kwargs`` go to ``torch.utils.checkpoint.checkpoint``). Idempotent.
     Returns the model.
     """
-    layers = _layers(model)
-    if not any(m.gradient_checkpointing for m in layers):
+    all_layers = _layers(model)
+    chosen = set(range(len(all_layers))) if layers is None else {int(i) for i in layers}
+    bad = sorted(i for i in chosen if not 0 <= i < len(all_layers))
+    if bad:
+        raise ValueError(f"selective checkpointing: layers {bad} out of range; the model has {len(all_layers)} "
+                         f"decoder layers (indices 0..{len(all_layers) - 1})")
+    if not any(m.gradient_checkpointing for m in all_layers):
         model._easy_context_selective_prev = False
         _hf_enable(model, {"use_reentrant": False, **(checkpoint_kwargs or {})})
     elif not hasattr(model, "_easy_context_selective_prev"):
         model._easy_context_selective_prev = True
-    for m in layers:
+    for i, m in enumerate(all_layers):
         if m.gradient_checkpointing:
             base = m._gradient_checkpointing_func
             base = getattr(base, "_easy_context_selective_base", base)
-            m._gradient_checkpointing_func = _selective_checkpoint(base, _modeling_modules(m))
+            m._gradient_checkpointing_func = _selective_checkpoint(base, _modeling_modules(m)) if i in chosen else base
     return model
 
 
