@@ -171,18 +171,26 @@ def test_merged_state_dict_equals_peft_model():
 
 @pytest.mark.slow
 def test_lora_zigzag_equals_single_process_and_saves_adapter(toy, tmp_path):  # noqa: F811
-    """LoRA under zigzag (selective checkpointing, chunked loss, merge) and Ulysses (layer checkpointing, a
-    periodic checkpoint of the PEFT model under ZeRO-3) == LoRA in 1 process; the adapter loads back."""
+    """LoRA under zigzag (selective checkpointing, chunked loss, merge), Ulysses (layer checkpointing, periodic
+    checkpoints of the PEFT model under ZeRO-3, a crash after step 4 and --resume) and dist_flash_attn
+    (checkpoint offload: reentrant-style backward with frozen inputs) == LoRA in 1 process; the adapter loads back."""
+    from tests.test_train import _env
     lora = ["--lora-rank", "4", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj",
             "--lora-train-embeddings-norms"]
-    one, two, uly = tmp_path / "one", tmp_path / "two", tmp_path / "uly"
+    one, two, uly, dfa = tmp_path / "one", tmp_path / "two", tmp_path / "uly", tmp_path / "dfa"
     _ok(_train(1, one, "data_parallel", [*lora, "--no-save-model"]))
     _ok(_train(2, two, "zigzag_ring_attn", [*lora, "--merge-lora", "--chunked-loss", "--checkpointing", "selective"]))
-    _ok(_train(2, uly, "ulysses_attn", [*lora, "--no-save-model", "--checkpoint-every", "2"]))
-    a, b, c = metrics(one), metrics(two), metrics(uly)
-    la, lb, lc = ([m[s]["loss"] for s in sorted(m)] for m in (a, b, c))
-    assert len(la) == STEPS and _close(la, lb) and _close(la, lc), (la, lb, lc)
-    assert (uly / "checkpoints" / "step-0000004").is_dir()
+    uly_args = [*lora, "--no-save-model", "--checkpoint-every", "2"]
+    p = launch(2, ["--model", TOY["model"], "--dataset", TOY["data"], "--output-dir", str(uly),
+                   "--parallel_mode", "ulysses_attn", *COMMON, *uly_args], env=_env(EASY_CONTEXT_CRASH="step:4"))
+    assert p.returncode != 0 and (uly / "checkpoints" / "step-0000004").is_dir(), p.stderr[-2000:]
+    p = _train(2, uly, "ulysses_attn", [*uly_args, "--resume"])
+    _ok(p)
+    assert "resumed from" in p.stdout + p.stderr
+    _ok(_train(2, dfa, "dist_flash_attn", [*lora, "--no-save-model", "--checkpointing", "offload"]))
+    a, b, c, d = metrics(one), metrics(two), metrics(uly), metrics(dfa)
+    la, lb, lc, ld = ([m[s]["loss"] for s in sorted(m)] for m in (a, b, c, d))
+    assert len(la) == STEPS and _close(la, lb) and _close(la, lc) and _close(la, ld), (la, lb, lc, ld)
     assert lb[-1] < lb[0] - 0.1, lb  # the adapters learn
     import torch
     from peft import PeftModel
