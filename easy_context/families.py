@@ -3,7 +3,7 @@
 Adding a family is one entry here (plus a tiny config in tests/model_equiv.py). The SP attention needs nothing
 per family (every listed attention class dispatches through transformers' ``ALL_ATTENTION_FUNCTIONS``); the
 entry names the attention class for the family-string patch and, when the family's RMSNorm / RoPE are the plain
-Llama ones, opts it into the lean norm (``memory/norm.py``) and the fused RoPE (``ops/rope.py``).
+Llama ones, opts it into the lean norm (``ops/lean_norm.py``) and the fused RoPE (``ops/rope.py``).
 """
 from __future__ import annotations
 

@@ -140,7 +140,7 @@ def test_tiled_mlp_exact_and_keeps_state_dict_keys():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_rmsnorm_matches_hf(dtype):
-    from easy_context.memory.norm import lean_norm, unlean_norm
+    from easy_context.ops.lean_norm import lean_norm, unlean_norm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     torch.manual_seed(0)
     norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .chunked_loss import causal_lm_loss, chunked_lm_loss, global_token_count, lm_head_loss
-from .norm import apply_lean_norms, remove_lean_norms
+from ..ops.lean_norm import apply_lean_norms, remove_lean_norms  # memory -> ops, never back
 from .offload import CheckpointOffload, enable_checkpoint_offload
 from .tiled_mlp import apply_tiled_mlp, tile_mlp, untile_mlp
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..families import NORM_CLASSES as KNOWN  # one record per family
-from ..ops.rms_norm import RMSNormFunction
+from .rms_norm import RMSNormFunction
 
 
 class LeanRMSNormMixin:
