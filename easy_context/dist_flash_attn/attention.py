@@ -17,6 +17,7 @@ import math
 import torch
 
 from .. import kernels
+from ..attention_cache import cached_attention
 from ..comm import group_rank_world, p2p_exchange
 from .schedule import (Block, all_plans, check_world_size, input_messages, num_steps,
                        result_messages)
@@ -261,7 +262,6 @@ def _forward_cached(q, k, v, softmax_scale, group, backend, docs=None):
     # Under selective checkpointing the layer's recomputation gets the stored (out, lse) back instead of
     # running (and communicating) the distributed forward again — LightSeq's rematerialisation-aware
     # checkpointing; see easy_context/memory/selective.py.
-    from ..memory.selective import cached_attention  # lazy: keeps the memory package off the import path
     return cached_attention(lambda: dist_flash_attn_forward(q, k, v, softmax_scale, group, backend, docs))
 
 

@@ -32,61 +32,11 @@ Works with non-reentrant (default) and reentrant checkpointing, in any sequence-
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
 
 import torch
 
-# The cache of the checkpointed layer call currently running (None outside selective checkpointing).
-# A context variable, like torch's own modes: it is per thread and always reset in ``finally``.
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("easy_context_selective_layer", default=None)
-SUPPORTS_CACHE = "supports_attention_cache"  # attribute an attention function sets to take the lean path
-
-
-class _LayerCache:
-    """Attention results of one checkpointed layer call, in call order."""
-
-    __slots__ = ("entries", "pos", "runs")
-
-    def __init__(self):
-        self.entries: list = []
-        self.pos = 0
-        self.runs = 0
-
-    def begin(self):
-        self.runs += 1
-        self.pos = 0
-
-    @property
-    def replaying(self) -> bool:
-        return self.runs > 1
-
-    def take(self):
-        if self.pos >= len(self.entries):
-            raise RuntimeError("selective checkpointing: the layer's recomputation called attention more "
-                               f"often ({self.pos + 1}) than its forward ({len(self.entries)})")
-        entry = self.entries[self.pos]
-        self.pos += 1
-        return entry
-
-    def put(self, entry):
-        self.entries.append(entry)
-
-
-def cached_attention(compute):
-    """For attention Functions: ``out, lse = cached_attention(lambda: my_forward(...))``.
-
-    Outside selective checkpointing it just calls ``compute``. In a checkpointed layer's forward it stores
-    the result; in the layer's recomputation it returns the stored tensors without calling ``compute``.
-    """
-    cache = _ACTIVE.get()
-    if cache is None:
-        return compute()
-    if cache.replaying:
-        return tuple(t.detach() for t in cache.take())
-    res = tuple(compute())
-    cache.put(tuple(t.detach() for t in res))  # aliases: no copy, and in-place edits trip autograd
-    return res
+from ..attention_cache import _ACTIVE, SUPPORTS_CACHE, _LayerCache, cached_attention  # noqa: F401 - re-exported
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import math
 import torch
 
 from .. import kernels
+from ..attention_cache import cached_attention
 from ..comm import all_to_all_4d, group_rank_world
 
 
@@ -119,7 +120,6 @@ def head_parallel_forward(q, k, v, rep, world, group, attend):
     recomputed q/k/v are re-sharded (one all-to-all) but ``attend`` — the expensive, possibly ring-
     distributed attention — is not run again.
     """
-    from ..memory.selective import cached_attention  # lazy: keeps the memory package off the import path
     fresh = []
 
     def compute():

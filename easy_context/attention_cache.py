@@ -1,0 +1,64 @@
+"""The attention-output cache of selective checkpointing, below the modes (they import it; memory/selective.py,
+which plugs it into the checkpointed layers, builds on it — no mode imports the memory package).
+
+A checkpointed layer call (memory/selective.py) sets the active ``_LayerCache``; an attention Function that
+opts in runs ``out, lse = cached_attention(compute)``: stored in the layer's forward, returned (without
+computing or communicating) in its recomputation.
+"""
+from __future__ import annotations
+
+import contextvars
+
+# The cache of the checkpointed layer call currently running (None outside selective checkpointing).
+# A context variable, like torch's own modes: it is per thread and always reset in ``finally``.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("easy_context_selective_layer", default=None)
+SUPPORTS_CACHE = "supports_attention_cache"  # attribute an attention function sets to take the lean path
+
+
+class _LayerCache:
+    """Attention results of one checkpointed layer call, in call order."""
+
+    __slots__ = ("entries", "pos", "runs")
+
+    def __init__(self):
+        self.entries: list = []
+        self.pos = 0
+        self.runs = 0
+
+    def begin(self):
+        self.runs += 1
+        self.pos = 0
+
+    @property
+    def replaying(self) -> bool:
+        return self.runs > 1
+
+    def take(self):
+        if self.pos >= len(self.entries):
+            raise RuntimeError("selective checkpointing: the layer's recomputation called attention more "
+                               f"often ({self.pos + 1}) than its forward ({len(self.entries)})")
+        entry = self.entries[self.pos]
+        self.pos += 1
+        return entry
+
+    def put(self, entry):
+        self.entries.append(entry)
+
+
+def cached_attention(compute):
+    """For attention Functions: ``out, lse = cached_attention(lambda: my_forward(...))``.
+
+    Outside selective checkpointing it just calls ``compute``. In a checkpointed layer's forward it stores
+    the result; in the layer's recomputation it returns the stored tensors without calling ``compute``.
+    """
+    cache = _ACTIVE.get()
+    if cache is None:
+        return compute()
+    if cache.replaying:
+        return tuple(t.detach() for t in cache.take())
+    res = tuple(compute())
+    cache.put(tuple(t.detach() for t in res))  # aliases: no copy, and in-place edits trip autograd
+    return res
+
+
+__all__ = ["cached_attention", "SUPPORTS_CACHE"]
