@@ -81,35 +81,11 @@ def init_distributed(timeout_s: float = 1800.0):
 
 
 def sp_group_kwargs(seq_algo: str, ring_degree: int | None = None) -> dict:
-    """Process-group keyword arguments for ``seq_algo`` spanning the whole world.
-
-    usp_attn: sp rank s = ring_rank * U + ulysses_rank (see easy_context/usp/layout.py); every rank must
-    call this (``new_group`` is collective).
-    """
-    algo = get_algo(seq_algo)
-    if not algo.group_kwargs:
-        return {}
-    if algo.group_kwargs == ("group",):
-        return {"group": None}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    r = world if ring_degree is None else int(ring_degree)
-    if r < 1 or world % r:
-        raise ValueError(f"usp_attn: ring_degree ({ring_degree}) must divide the world size ({world}): "
-                         f"ring_degree x ulysses_degree = {world}")
-    u = world // r
-    if world == 1:
-        return {"ring_group": None, "ulysses_group": None}
-    me = dist.get_rank()
-    ring = uly = None
-    for i in range(r):  # Ulysses groups: runs of U consecutive ranks
-        g = dist.new_group(list(range(i * u, (i + 1) * u)))
-        if me // u == i:
-            uly = g
-    for j in range(u):  # ring groups: same ulysses rank across ring ranks
-        g = dist.new_group([i * u + j for i in range(r)])
-        if me % u == j:
-            ring = g
-    return {"ring_group": ring, "ulysses_group": uly}
+    """Process-group keyword arguments for ``seq_algo`` spanning the whole world (usp_attn: ring x ulysses =
+    world, ``ring_degree`` = ring). Built by ``ParallelLayout`` (every rank must call it: new_group is
+    collective); kept for callers that bind groups themselves."""
+    from .parallel_layout import ParallelLayout
+    return ParallelLayout.build(seq_algo, ring_degree=ring_degree).attn_groups()
 
 
 def load_model(path: str, rope_theta: float | None = None, dtype: torch.dtype | None = None,
@@ -204,20 +180,34 @@ class _State:
 class SeqParallelLM:
     """A causal LM run sequence-parallel for evaluation (see the module docstring).
 
-    ``groups``: the mode's process-group kwargs (``sp_group_kwargs``); the sp group is the world
-    (``group`` argument of the mode, or the union of usp's ring x ulysses groups = world).
+    ``layout``: a ``ParallelLayout`` whose sp group is the world (default: built from ``seq_algo`` and
+    ``ring_degree``): the one carrier of mode, degrees and groups. ``groups``: explicit process-group kwargs
+    instead (``sp_group_kwargs``; the sp group is then the world or the mode's ``group``).
     """
 
-    def __init__(self, model, seq_algo: str = "zigzag_ring_attn", groups: dict | None = None,
-                 ring_degree: int | None = None, chunk_tokens: int | None = None):
+    def __init__(self, model, seq_algo: str | None = None, groups: dict | None = None,
+                 ring_degree: int | None = None, chunk_tokens: int | None = None, layout=None):
         from transformers.masking_utils import AttentionMaskInterface
         from transformers.modeling_utils import AttentionInterface
 
         from .hf import _check_mask, make_attention_fn
+        from .parallel_layout import ParallelLayout
 
+        if layout is not None and (groups is not None or ring_degree is not None
+                                   or seq_algo not in (None, layout.seq_algo)):
+            raise ValueError(f"SeqParallelLM: pass either layout= (here {layout.seq_algo} {layout}) or "
+                             f"seq_algo/groups/ring_degree, not both (got seq_algo={seq_algo!r}, "
+                             f"ring_degree={ring_degree})")
+        seq_algo = layout.seq_algo if layout is not None else (seq_algo or "zigzag_ring_attn")
         algo = get_algo(seq_algo)
         self.model, self.seq_algo, self.chunk_tokens = model, seq_algo, chunk_tokens
-        self.groups = dict(groups) if groups is not None else sp_group_kwargs(seq_algo, ring_degree)
+        if groups is None:
+            layout = layout or ParallelLayout.build(seq_algo, ring_degree=ring_degree)
+            if layout.dp > 1 and algo.attention is not None:
+                raise ValueError(f"SeqParallelLM runs one sequence over the world; {layout} has dp > 1")
+            groups = layout.attn_groups()
+        self.layout = layout
+        self.groups = dict(groups)
         self.group = self.groups.get("group")       # the sp group for our own collectives (None = world)
         if algo.attention is None or not dist.is_initialized():
             self.world, self.rank = 1, 0
@@ -225,7 +215,8 @@ class SeqParallelLM:
             self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         else:  # usp: ring x ulysses spans the world
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.layout_kw = {"ring_degree": ring_degree} if seq_algo == "usp_attn" else {}
+        self.layout_kw = layout.layout_kw if layout is not None else (
+            {"ring_degree": ring_degree} if seq_algo == "usp_attn" else {})
         self.device = next(model.parameters()).device
         self.state = _State()
         self._sp_attn = make_attention_fn(seq_algo, **self.groups) if self.world > 1 else None

@@ -188,6 +188,19 @@ def test_grids_windows_and_clear_errors(tiny, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # single process: chunked NLL, perplexity, greedy decoding
 # ----------------------------------------------------------------------------------------------
+def test_engine_takes_one_layout(tiny):
+    """The engine takes one ParallelLayout (mode + degrees + groups); mixing it with other ways is an error."""
+    from easy_context.inference import SeqParallelLM, load_model
+    from easy_context.parallel_layout import ParallelLayout
+    model, _ = load_model(tiny)
+    eng = SeqParallelLM(model, layout=ParallelLayout.build("usp_attn"))
+    assert eng.seq_algo == "usp_attn" and eng.layout_kw == {"ring_degree": 1} and eng.world == 1
+    with pytest.raises(ValueError, match="either layout="):
+        SeqParallelLM(model, "ulysses_attn", layout=ParallelLayout.build("zigzag_ring_attn"))
+    with pytest.raises(ValueError, match="ring_degree=3 only applies to usp_attn"):
+        SeqParallelLM(model, "zigzag_ring_attn", ring_degree=3)
+
+
 def test_single_process_against_full_logits_and_generate(tiny):
     from easy_context.inference import SeqParallelLM, chunked_nll, load_model
 
