@@ -106,11 +106,8 @@ def load_model(path: str, rope_theta: float | None = None, dtype: torch.dtype | 
     except Exception as e:  # offline Hub id, missing config.json, ...
         raise FileNotFoundError(f"cannot load a model config from {path!r}: {e}") from e
     if rope_theta is not None:
-        rp = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
-        rp["rope_theta"] = float(rope_theta)
-        config.rope_parameters = rp
-        if hasattr(config, "rope_theta"):
-            config.rope_theta = float(rope_theta)
+        from .training.modeling import set_rope_theta  # the one place that knows where configs keep theta
+        set_rope_theta(config, rope_theta)
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
