@@ -179,7 +179,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.output_file:  # checked before any work: the results are never lost at the end
         from easy_context.training.run_dir import check_writable_file
-        from easy_context.training.errors import UsageError
+        from easy_context.errors import UsageError
         try:
             check_writable_file(args.output_file, "--output-file")
         except UsageError as e:

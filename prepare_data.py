@@ -12,7 +12,7 @@ re-running after an interruption starts over (the tokenization is cached by `dat
 import argparse
 import os
 
-from easy_context.training.errors import UsageError, fail
+from easy_context.errors import UsageError, fail
 
 
 def main(argv=None):

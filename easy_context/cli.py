@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .training.errors import fail
+from .errors import fail
 
 
 def run_cli(main, prog: str):

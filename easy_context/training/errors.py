@@ -1,18 +1,10 @@
-"""One-line user errors: raised anywhere during set-up, printed once as ``train.py: error: ...``."""
-import os
-import sys
-
-
-class UsageError(Exception):
-    """Bad input the user can fix (flag, path, data). Reported as one line, exit status 2 (or ``code``)."""
-
-    def __init__(self, msg: str, code: int = 2):
-        super().__init__(msg)
-        self.code = code
+"""train.py's view of ``easy_context.errors``: the same UsageError, ``fail`` defaulting to ``train.py``."""
+from ..errors import UsageError
+from ..errors import fail as _fail
 
 
 def fail(msg: str, prog: str = "train.py", code: int = 2):
-    """Print ``prog: error: msg`` on one line (global rank 0 only) and exit non-zero on every rank."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"{prog}: error: {' '.join(str(msg).split())}", file=sys.stderr, flush=True)
-    sys.exit(code)
+    _fail(msg, prog, code)
+
+
+__all__ = ["UsageError", "fail"]
