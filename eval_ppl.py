@@ -103,26 +103,13 @@ def window_tensors(ids, begin, end, trg_len, bos):
 
 def load_documents(args, tokenizer):
     """Token-id lists of the documents to evaluate (identical on every rank)."""
-    import datasets
+    from easy_context.training.data import load_any_dataset  # the loader train.py and prepare_data.py use
     if args.tokenized:
-        try:
-            ds = datasets.load_from_disk(args.tokenized)
-        except (FileNotFoundError, ValueError):
-            ds = datasets.load_dataset(args.tokenized, name=args.subset, split=args.split)
+        ds = load_any_dataset(args.tokenized, args.split, args.subset)
     else:
         if not args.dataset:
             raise ValueError("give a dataset: -d/--dataset (text) or --tokenized (pre-tokenized)")
-        ext = os.path.splitext(args.dataset)[1].lower()
-        if os.path.isfile(args.dataset) and ext in (".json", ".jsonl", ".txt", ".parquet", ".csv"):
-            builder = {".jsonl": "json", ".txt": "text"}.get(ext, ext[1:])
-            ds = datasets.load_dataset(builder, data_files=args.dataset, split="train")
-        elif os.path.isdir(args.dataset) and os.path.exists(os.path.join(args.dataset, "dataset_info.json")) or \
-                os.path.isdir(args.dataset) and os.path.exists(os.path.join(args.dataset, "dataset_dict.json")):
-            ds = datasets.load_from_disk(args.dataset)
-        else:
-            ds = datasets.load_dataset(args.dataset, name=args.subset, split=args.split)
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[args.split]
+        ds = load_any_dataset(args.dataset, args.split, args.subset)
         if args.feature not in ds.column_names:
             raise ValueError(f"feature {args.feature!r} not in the dataset columns {ds.column_names}")
         ds = ds.map(lambda b: {"input_ids": tokenizer(b[args.feature], add_special_tokens=False)["input_ids"]},
@@ -131,8 +118,6 @@ def load_documents(args, tokenizer):
         if args.save_tokenized:
             ds.save_to_disk(args.save_tokenized)
             return None
-    if isinstance(ds, datasets.DatasetDict):
-        ds = ds[args.split]
     if "tokenized_len" not in ds.column_names:
         ds = ds.map(lambda b: {"tokenized_len": [len(x) for x in b["input_ids"]]}, batched=True)
     if args.dataset_min_tokens:
@@ -179,11 +164,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.output_file:  # checked before any work: the results are never lost at the end
         from easy_context.training.run_dir import check_writable_file
-        from easy_context.errors import UsageError
-        try:
-            check_writable_file(args.output_file, "--output-file")
-        except UsageError as e:
-            raise ValueError(str(e)) from None
+        check_writable_file(args.output_file, "--output-file")
     lengths = length_grid(args.min_tokens, args.max_tokens, args.tokens_step)
     models = [m for group in args.model for m in group]  # every -m item (EasyContext used the first only)
 

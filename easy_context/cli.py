@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .errors import fail
+from .errors import UsageError, fail
 
 
 def run_cli(main, prog: str):
-    """Run ``main()``; a ValueError / FileNotFoundError becomes one ``prog: error: ...`` line and exit 2.
+    """Run ``main()``; a UsageError / ValueError / FileNotFoundError becomes one ``prog: error: ...`` line and exit 2.
 
     The process group is torn down either way (gloo aborts at interpreter exit otherwise).
     """
@@ -16,7 +16,7 @@ def run_cli(main, prog: str):
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
         return result
-    except (ValueError, FileNotFoundError) as e:
+    except (UsageError, ValueError, FileNotFoundError) as e:
         fail(str(e), prog)
     finally:
         if dist.is_available() and dist.is_initialized():

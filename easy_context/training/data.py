@@ -16,13 +16,14 @@ from .errors import UsageError
 PREP_HINT = "tokenize and pack it with: python prepare_data.py --dataset TEXT --tokenizer MODEL --seq-length {L} --output DIR"
 
 
-def load_any_dataset(name: str, split: str = "train"):
-    """Hub name, a ``save_to_disk`` directory, or json/jsonl/parquet/arrow/csv files; unreadable input
-    (an empty file, non-UTF-8 text, malformed json) is one UsageError line."""
+def load_any_dataset(name: str, split: str = "train", subset: str | None = None):
+    """Hub name (``subset``: its config name), a ``save_to_disk`` directory, or json/jsonl/parquet/arrow/csv/txt
+    files (their one split is "train"); unreadable input (an empty file, non-UTF-8 text, malformed json) is one
+    UsageError line. Shared by train.py, prepare_data.py and the evals."""
     if os.path.isfile(name) and os.path.getsize(name) == 0:
         raise UsageError(f"dataset {name!r} is an empty file (no rows)")
     try:
-        return _load_any_dataset(name, split)
+        return _load_any_dataset(name, split, subset)
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - datasets wraps parse errors; report the root cause in one line
@@ -36,7 +37,7 @@ def load_any_dataset(name: str, split: str = "train"):
                          f"{str(root).splitlines()[0] if str(root) else ''}") from None
 
 
-def _load_any_dataset(name: str, split: str = "train"):
+def _load_any_dataset(name: str, split: str = "train", subset: str | None = None):
     import datasets
 
     ext = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv",
@@ -45,12 +46,12 @@ def _load_any_dataset(name: str, split: str = "train"):
                                 or os.path.exists(os.path.join(name, "dataset_dict.json"))):
         ds = datasets.load_from_disk(name)
     elif os.path.isfile(name) and os.path.splitext(name)[1] in ext:
-        ds = datasets.load_dataset(ext[os.path.splitext(name)[1]], data_files=name, split=split)
+        ds = datasets.load_dataset(ext[os.path.splitext(name)[1]], data_files=name, split="train")
     elif os.path.exists(name):
         ds = datasets.load_dataset(name, split=split)  # a folder of data files
     else:
         try:
-            ds = datasets.load_dataset(name, split=split)
+            ds = datasets.load_dataset(name, name=subset, split=split)
         except Exception as e:  # noqa: BLE001 - reported as one line
             raise UsageError(f"cannot load dataset {name!r}: not a local path and the Hub said "
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
