@@ -198,6 +198,7 @@ def _model_body(rank, world_size):
     from tests.model_equiv import check_model_equivalence
     seq_len = 48
     modes = [("zigzag_ring_attn", {}, {}), ("dist_flash_attn", {}, {}), ("ulysses_attn", {}, {})]
+    usp = None
     if world_size == 4:
         usp = ParallelLayout.build("usp_attn", ring_degree=2)
         modes.append(("usp_attn", usp.layout_kw, usp.attn_groups()))
@@ -211,6 +212,9 @@ def _model_body(rank, world_size):
     if world_size == 4:
         _count_skipped_blocks(rank, world_size)
         _bad_positions_error(rank, world_size)
+    # packed rows long enough for the balanced k-pair layout (tests/test_packed_balance.py), in the same spawn
+    from tests.test_packed_balance import balanced_body
+    balanced_body(rank, world_size, usp)
 
 
 def _count_skipped_blocks(rank, world_size):

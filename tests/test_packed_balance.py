@@ -200,3 +200,79 @@ def test_rectangles_of_one_document_are_joined():
         keys = [c for c in range(n) if ki[c] < qi[s]]
         ro, rl = kernels.attention_reference(q[:, s:e], kk[:, keys], v[:, keys], False, 0.5)
         assert_close(out[:, s:e], ro, 1e-12, f"rows {s}:{e}")
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-rank (called from tests/test_packed.py's spawned ranks)
+# ----------------------------------------------------------------------------------------------
+def balanced_body(rank, world_size, usp_layout=None):
+    """Packed rows long enough for k > 1 (4096 tokens: k=4 at W=2, k=2 at W=4, k=4 on USP's ring of 2): logits,
+    loss and every gradient equal the per-document reference, as in test_packed's model checks."""
+    from tests.model_equiv import check_model_equivalence
+    n = 4096
+    c = n // (2 * world_size * zigzag_pairs(n, world_size))  # the fine chunk: 256 in every case here
+    assert c == 256 and zigzag_pairs(n, world_size) > 1
+    packings = {
+        "short docs, 1-token doc, edges on and off fine chunks": _positions([5, 1, c - 6, c, 3 * c + 7, n - 5 * c - 7]),
+        "one packed row, one not": torch.stack([_positions([n - 300, 300])[0], torch.arange(n)]),
+    }
+    modes = [("zigzag_ring_attn", {}, {})]
+    if usp_layout is not None:
+        modes.append(("usp_attn", usp_layout.layout_kw, usp_layout.attn_groups()))
+    for mode, layout_kw, groups in modes:
+        for pos in packings.values():
+            check_model_equivalence(rank, world_size, mode, "llama", seq_len=n, layout_kw=layout_kw, groups=groups,
+                                    position_ids=pos, labels_mask="random")
+    if world_size == 4:
+        _count_pair_blocks(rank, world_size)
+    else:
+        _plain_zigzag_shard_of_packed_rows_is_refused(rank, world_size, packings)
+
+
+def _plain_zigzag_shard_of_packed_rows_is_refused(rank, world_size, packings):
+    """A long packed row cut in plain zigzag (no positions=) while the attention expects k pairs: the same clear
+    error on every rank (no hang, no silently wrong attention)."""
+    import copy
+
+    from easy_context import apply_seq_parallel_monkey_patch
+    from tests.model_equiv import build_model
+    model = apply_seq_parallel_monkey_patch("zigzag_ring_attn", copy.deepcopy(build_model("llama")))
+    pos = next(iter(packings.values()))
+    ids = torch.zeros_like(pos)
+    local = [shard_sequence("zigzag_ring_attn", t, rank, world_size) for t in (ids, pos)]
+    with pytest.raises(packing.PackedPositionsError, match=r"jumps from .* balanced k-pair zigzag layout.*positions="):
+        model(local[0], position_ids=local[1], use_cache=False)
+
+
+def _count_pair_blocks(rank, world_size):
+    """k=2 at W=4 (16 chunks of 256), documents of 128 tokens that never cross a chunk: every ring step but the
+    first is skipped (no kernel, no merge) and the first runs one causal piece per local document."""
+    from easy_context import kernels, zigzag_ring_attn_func
+    from easy_context.zigzag_ring_attn.attention import zigzag_ring_forward
+    n, calls = 4096, {"fwd": 0, "merge": 0}
+    docs = packing.documents(_positions([128] * 32))
+    assert docs.pairs(world_size) == 2
+    orig_fwd, orig_merge = kernels._FORWARD["cpu"], kernels.merge_attn_out
+
+    def fwd(*a):
+        calls["fwd"] += 1
+        return orig_fwd(*a)
+
+    def merge(*a):
+        calls["merge"] += 1
+        return orig_merge(*a)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, n, 2, 8, generator=g) for _ in range(3))
+    loc = [shard_sequence("zigzag_ring_attn", t, rank, world_size, pairs=2) for t in (q, k, v)]
+    kernels._FORWARD["cpu"], kernels.merge_attn_out = fwd, merge
+    try:
+        packed = zigzag_ring_forward(*loc, 0.35, docs=docs)
+    finally:
+        kernels._FORWARD["cpu"], kernels.merge_attn_out = orig_fwd, orig_merge
+    assert calls == {"fwd": 8, "merge": 8}, calls  # 4 local chunks x 2 documents, merged into the step-0 block
+    ref = torch.cat([kernels.attention_reference(q[:, s:s + 128], k[:, s:s + 128], v[:, s:s + 128], True, 0.35)[0]
+                     for s in range(0, n, 128)], dim=1)
+    want = shard_sequence("zigzag_ring_attn", ref, rank, world_size, pairs=2)
+    assert_close(packed[0], want, 1e-5, "pair ring out")
+    out = zigzag_ring_attn_func(*(t.clone().requires_grad_() for t in loc), softmax_scale=0.35, docs=docs)
+    assert_close(out, want, 1e-5, "pair ring func out")
