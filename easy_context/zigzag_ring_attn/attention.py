@@ -31,6 +31,7 @@ visiting travel on a second ring one step behind, so after W steps each rank hol
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -138,9 +139,15 @@ def ring_steps(rank: int, world: int, local_len: int, docs=None, pairs: int | No
         return [Step(b.step, b.src, b.q_slice(c), b.kv_slice(c), b.causal, _block_docs(docs, rank, b.src, world, c, b))
                 for b in block_plan(rank, world)]
     n, every = local_len * world, slice(None)
-    mine = pairs_indices(n, rank, world, pairs)
     return [Step(s, (rank - s) % world, every, every, True,
-                 docs.block(mine, pairs_indices(n, (rank - s) % world, world, pairs))) for s in range(world)]
+                 docs.block(_rows(n, rank, world, pairs), _rows(n, (rank - s) % world, world, pairs)))
+            for s in range(world)]
+
+
+@lru_cache(maxsize=64)
+def _rows(n: int, rank: int, world: int, pairs: int) -> torch.Tensor:
+    """A rank's global row indices (asked for by every layer and ring step; never modified)."""
+    return pairs_indices(n, rank, world, pairs)
 
 
 def _check_docs(docs, q, world) -> None:
