@@ -14,7 +14,10 @@ the ``BlockDocs`` the kernel facade turns into dense pieces (``pieces``):
                                       none -> the pair is skipped (no kernel call, no merge)
   kv run == q run (a diagonal)        one causal piece per document inside the run
   kv run after the q run              nothing (causal)
-So attention costs sum(doc_len^2)/2, not L^2/2, and no varlen kernel is needed off the diagonal.
+So attention costs sum(doc_len^2)/2, not L^2/2, and no varlen kernel is needed off the diagonal. A block may
+hold several runs (the zigzag pair; the whole local q and kv of a k-pair ring step, sharding.py): every (q run,
+kv run) pair is one of the three cases above, and the rectangles of one document that are adjacent in the block's
+local rows are joined into one (``_join``) so a document crossing many fine chunks costs fewer kernel calls.
 
 Sliding windows (Mistral's ``sliding_window``, Gemma 3's local layers) ride on the same blocks: a ``Documents``
 with ``window=W`` (one document when the row is not packed) keeps key j for query i only when j > i - W (HF's

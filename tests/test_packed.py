@@ -4,7 +4,8 @@ Model level (W=2 and W=4, every mode, USP as 2x2, fp32 CPU): logits, loss and ev
 single-process reference that runs each document separately — one document, many short ones incl. a
 1-token document, boundaries on and off shard/zigzag-chunk edges, different packings per batch row; GQA
 (4 q / 2 kv heads). Kernel level: the facade's document mask vs float64 per-document attention, and the
-block skip counted for a row of many short documents.
+block skip counted for a row of many short documents. The same spawns also run tests/test_packed_balance.py's
+``balanced_body``: rows long enough for the balanced k-pair layout (4096 tokens, k > 1).
 """
 import pytest
 import torch

@@ -28,4 +28,5 @@ zigzag_ring_attn_func.supports_attention_cache = True  # lean selective checkpoi
 
 
 __all__ = ["zigzag_ring_attn_func", "zigzag_ring_forward", "zigzag_ring_backward", "ZigzagRingAttnFunc",
-           "block_plan", "RingBlock", "ring_steps", "Step", "global_chunks", "check_inputs", "shard", "unshard", "seq_multiple"]
+           "block_plan", "RingBlock", "ring_steps", "Step", "global_chunks", "check_inputs", "shard", "unshard",
+           "seq_multiple"]
