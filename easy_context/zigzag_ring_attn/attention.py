@@ -30,7 +30,6 @@ visiting travel on a second ring one step behind, so after W steps each rank hol
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -38,7 +37,7 @@ import torch
 
 from .. import kernels
 from ..comm import RingComm, group_rank_world
-from ..sharding import pairs_indices, zigzag_shard
+from ..sharding import pairs_indices
 
 
 class RingBlock(NamedTuple):
@@ -113,9 +112,7 @@ def _block_docs(docs, rank, src, world, c, blk):
     if docs is None:
         return None
     n = 2 * c * world
-    q_idx = zigzag_shard(torch.arange(n), rank, world, dim=0)
-    k_idx = zigzag_shard(torch.arange(n), src, world, dim=0)
-    return docs.block(q_idx[blk.q_slice(c)], k_idx[blk.kv_slice(c)])
+    return docs.block(_rows(n, rank, world, 1)[blk.q_slice(c)], _rows(n, src, world, 1)[blk.kv_slice(c)])
 
 
 class Step(NamedTuple):
