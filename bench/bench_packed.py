@@ -3,6 +3,7 @@ row as one causal stream, and the load balance across ranks (simulated ring on o
 
     python bench/bench_packed.py [--lengths 131072 524288] [--world 8] [--median 1500] [--sigma 1.5]
     python bench/bench_packed.py --count        # CPU: score elements per rank only (no kernels, no GPU)
+    python bench/bench_packed.py --check        # CPU: the simulation's code path at a tiny size (smoke test)
 
 Rows are filled with documents whose lengths are drawn from a log-normal distribution (median 1500 tokens,
 sigma 1.5: mean ~4.6K, a long tail of 30K+ documents; clipped to [16, L]; the last document is cut at the row
@@ -11,6 +12,10 @@ facade call on (its q rows, the visiting kv rows) with the packed documents — 
 nothing, diagonal runs of documents go to one varlen launch (FA4) — plus the fp32 LSE merges. Reported:
 Σ rank time (packed) / Σ rank time (the same row as one causal stream), max/mean rank time, and the packed
 output's error against per-document attention on the full row.
+
+Two layouts of the packed row: plain zigzag (2W chunks) and what the ring runs for packed rows, zigzag with k
+mirrored pairs per rank (2Wk chunks, k = ``sharding.zigzag_pairs(L, W)``); pieces = dense kernel calls a rank's
+ring makes (diagonal runs of >= 4 documents are one varlen launch with FA4, counted here per document).
 """
 from __future__ import annotations
 
@@ -25,8 +30,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import cuda_time_ms, env_line, table  # noqa: E402
 from easy_context import kernels, packing  # noqa: E402
-from easy_context.sharding import zigzag_shard, zigzag_unshard  # noqa: E402
-from easy_context.zigzag_ring_attn.attention import block_plan  # noqa: E402
+from easy_context.sharding import pairs_shard, pairs_unshard, zigzag_pairs  # noqa: E402
+from easy_context.zigzag_ring_attn.attention import ring_steps  # noqa: E402
 
 
 def doc_lengths(total: int, median: float, sigma: float, seed: int = 0) -> list[int]:
@@ -44,43 +49,55 @@ def positions(lengths) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
 
 
-def rank_blocks(rank, world, L, docs):
-    """(q local slice, src, kv local slice, causal, BlockDocs or None) of every ring step of ``rank``."""
-    c = L // (2 * world)
-    idx = [zigzag_shard(torch.arange(L), r, world, dim=0) for r in range(world)]
-    out = []
-    for blk in block_plan(rank, world):
-        qs, ks = blk.q_slice(c), blk.kv_slice(c)
-        bd = None if docs is None else docs.block(idx[rank][qs], idx[blk.src][ks])
-        out.append((qs, blk.src, ks, blk.causal, bd))
-    return out
+def rank_blocks(rank, world, L, docs, pairs=1):
+    """(q local slice, src, kv local slice, causal, BlockDocs or None) of every ring step of ``rank``: exactly
+    ``zigzag_ring_forward``'s steps (``ring_steps``) in the layout with ``pairs`` mirrored pairs per rank."""
+    return [(st.qs, st.src, st.ks, st.causal, st.docs)
+            for st in ring_steps(rank, world, L // world, docs, pairs=pairs if docs is not None else None)]
 
 
-def score_elements(blocks, L, world) -> int:
-    """Attention score elements a rank computes (causal pieces count half)."""
-    c = L // (2 * world)
-    total = 0
+def _len(sl, n):
+    return len(range(*sl.indices(n)))
+
+
+def score_elements(blocks, L, world) -> tuple[int, int, int]:
+    """(attention score elements, kernel pieces, launches with FA4's varlen grouping) of a rank's forward
+    (causal pieces count half)."""
+    n_loc = L // world
+    total = pieces = launches = 0
     for qs, _, ks, causal, bd in blocks:
         if bd is None:
-            n = (qs.stop - qs.start) * (ks.stop - ks.start)
+            n = _len(qs, n_loc) * _len(ks, n_loc)
             total += n // 2 if causal else n
+            pieces += 1
+            launches += 1
         else:
             for pq, pk, pc in bd.pieces():
                 n = (pq.stop - pq.start) * (pk.stop - pk.start)
                 total += n // 2 if pc else n
-    return total
+                pieces += 1
+            launches += len(kernels._group("fa4", bd.pieces()))
+    return total, pieces, launches
 
 
-def count_only(lengths_L, world, median, sigma):
+def count_only(lengths_L, world, median, sigma, pairs=None):
+    """One row per (length, layout): plain zigzag and the k-pair layout the ring uses for packed rows (or the k
+    values of ``pairs``)."""
     rows = []
     for L in lengths_L:
         lens = doc_lengths(L, median, sigma)
         docs = packing.documents(positions(lens))
-        packed = [score_elements(rank_blocks(r, world, L, docs), L, world) for r in range(world)]
-        dense = [score_elements(rank_blocks(r, world, L, None), L, world) for r in range(world)]
-        rows.append(dict(L=L, W=world, docs=len(lens), mean_doc=f"{L / len(lens):.0f}",
-                         max_doc=max(lens), work_vs_stream=f"{sum(packed) / sum(dense):.3f}",
-                         max_over_mean=f"{max(packed) / (sum(packed) / world):.3f}"))
+        dense = sum(score_elements(rank_blocks(r, world, L, None), L, world)[0] for r in range(world))
+        for k in sorted(set(pairs or (1, zigzag_pairs(L, world)))):
+            got = [score_elements(rank_blocks(r, world, L, docs, k), L, world) for r in range(world)]
+            work, pieces, launches = ([g[i] for g in got] for i in range(3))
+            rows.append(dict(L=L, W=world, layout=f"{2 * world * k} chunks, k={k}", docs=len(lens),
+                             mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
+                             work_vs_stream=f"{sum(work) / dense:.3f}",
+                             max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
+                             rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
+                             pieces_per_rank=f"{min(pieces)}..{max(pieces)}",
+                             fa4_launches=f"{min(launches)}..{max(launches)}"))
     return rows
 
 
@@ -108,53 +125,65 @@ def balance_study(lengths_L, world, median, sigma, per_rank=(1, 2, 4, 8)):
     return rows
 
 
-def simulate(L, world, heads, dim, median, sigma, iters, device="cuda"):
+def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=None):
+    """Time every rank's ring work (fwd + bwd) for the packed row in each layout of ``pairs`` (k values; default
+    plain zigzag and ``zigzag_pairs(L, world)``) and for the same row as one causal stream: one row per layout."""
     lens = doc_lengths(L, median, sigma)
     docs = packing.documents(positions(lens))
+    ks = sorted(set(pairs or (1, zigzag_pairs(L, world))))
     torch.manual_seed(0)
     dt = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k, v, do = (torch.randn(1, L, heads, dim, device=device, dtype=dt) for _ in range(4))
-    sh = [[zigzag_shard(t, r, world).contiguous() for r in range(world)] for t in (q, k, v, do)]
+    q, k_, v, do = (torch.randn(1, L, heads, dim, device=device, dtype=dt) for _ in range(4))
     n = L // world
+    idx = torch.arange(L)
+    ref, _ = kernels.attn_forward(q, k_, v, True, docs=docs.block(idx, idx))
 
-    def forward(r, blocks):
+    def forward(sh, r, blocks):
         out = torch.zeros(1, n, heads, dim, device=device)
         lse = torch.full((1, heads, n), -math.inf, device=device)
-        for qs, src, ks, causal, bd in blocks:
-            res = kernels.attn_forward(sh[0][r][:, qs], sh[1][src][:, ks], sh[2][src][:, ks], causal, docs=bd)
+        for qs, src, ks_, causal, bd in blocks:
+            res = kernels.attn_forward(sh[0][r][:, qs], sh[1][src][:, ks_], sh[2][src][:, ks_], causal, docs=bd)
             if res is not None:
                 kernels.merge_attn_out(out[:, qs], lse[:, :, qs], *res)
         return out, lse
 
-    def backward(r, blocks, out, lse):
-        for qs, src, ks, causal, bd in blocks:
-            kernels.attn_backward(sh[3][r][:, qs], sh[0][r][:, qs], sh[1][src][:, ks], sh[2][src][:, ks],
+    def backward(sh, r, blocks, out, lse):
+        for qs, src, ks_, causal, bd in blocks:
+            kernels.attn_backward(sh[3][r][:, qs], sh[0][r][:, qs], sh[1][src][:, ks_], sh[2][src][:, ks_],
                                   out[:, qs], lse[:, :, qs], causal, docs=bd)
 
-    res = {}
-    for name, d in (("packed", docs), ("stream", None)):
-        times, outs = [], []
+    def run(d, kk):
+        sh = [[pairs_shard(t, r, world, kk).contiguous() for r in range(world)] for t in (q, k_, v, do)]
+        times, outs, launches = [], [], []
         for r in range(world):
-            blocks = rank_blocks(r, world, L, d)
-            o, l = forward(r, blocks)
+            blocks = rank_blocks(r, world, L, d, kk)
+            launches.append(score_elements(blocks, L, world)[2])
+            o, l = forward(sh, r, blocks)
             ob = o.to(dt)
             outs.append(ob)
 
             def work(r=r, blocks=blocks, ob=ob, l=l):
-                forward(r, blocks)
-                backward(r, blocks, ob, l)
+                forward(sh, r, blocks)
+                backward(sh, r, blocks, ob, l)
             times.append(cuda_time_ms(work, 1, iters) if device == "cuda" else (work(), 1.0)[1])
-        res[name] = (times, outs)
-    # correctness of the packed ring: merged rows vs per-document attention over the full row
-    idx = torch.arange(L)
-    ref, _ = kernels.attn_forward(q, k, v, True, docs=docs.block(idx, idx))
-    got = zigzag_unshard(res["packed"][1], dim=1)
-    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    pt, st = res["packed"][0], res["stream"][0]
-    return dict(L=L, W=world, docs=len(lens), mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
-                packed_ms=f"{sum(pt):.0f}", stream_ms=f"{sum(st):.0f}", speedup=f"{sum(st) / sum(pt):.2f}x",
-                max_over_mean=f"{max(pt) / (sum(pt) / world):.3f}",
-                stream_max_over_mean=f"{max(st) / (sum(st) / world):.3f}", err=f"{err:.1e}")
+        err = None
+        if d is not None:  # correctness of the packed ring: merged rows vs per-document attention over the full row
+            got = pairs_unshard(outs, kk, dim=1)
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        return times, err, launches
+
+    stream = run(None, 1)[0]
+    rows = []
+    for kk in ks:
+        t, err, launches = run(docs, kk)
+        rows.append(dict(L=L, W=world, layout=f"{2 * world * kk} chunks, k={kk}", docs=len(lens),
+                         mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens), packed_ms=f"{sum(t):.0f}",
+                         slowest_rank_ms=f"{max(t):.1f}", stream_ms=f"{sum(stream):.0f}",
+                         speedup=f"{sum(stream) / sum(t):.2f}x", wall_speedup=f"{max(stream) / max(t):.2f}x",
+                         max_over_mean=f"{max(t) / (sum(t) / world):.3f}",
+                         stream_max_over_mean=f"{max(stream) / (sum(stream) / world):.3f}",
+                         fa4_launches=f"{min(launches)}..{max(launches)}", err=f"{err:.1e}"))
+    return rows
 
 
 def main():
@@ -166,18 +195,21 @@ def main():
     ap.add_argument("--median", type=float, default=1500)
     ap.add_argument("--sigma", type=float, default=1.5)
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--pairs", type=int, nargs="+", default=None,
+                    help="k values to time (default: 1 = plain zigzag and zigzag_pairs(L, W), what the ring picks)")
     ap.add_argument("--count", action="store_true", help="CPU: score elements per rank only")
     ap.add_argument("--check", action="store_true", help="CPU float32 run of the simulation's code path (errors only)")
     args = ap.parse_args()
-    if args.check:
-        r = simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu")
-        print(r)
-        assert float(r["err"]) < 1e-5, r
+    if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
+        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4)):
+            print(r)
+            assert float(r["err"]) < 1e-5, r
         return
-    counts = count_only(args.lengths, args.world, args.median, args.sigma)
+    counts = count_only(args.lengths, args.world, args.median, args.sigma, args.pairs)
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "
           f"sigma {args.sigma:g})\n")
-    print(table(counts, ["L", "W", "docs", "mean_doc", "max_doc", "work_vs_stream", "max_over_mean"]))
+    print(table(counts, ["L", "W", "layout", "docs", "mean_doc", "max_doc", "work_vs_stream", "max_over_mean",
+                         "rank_Melems", "pieces_per_rank", "fa4_launches"]))
     print("\n## Balance study: finer chunks, mirrored pairs vs greedy by cost (q-side work per rank)\n")
     print(table(balance_study(args.lengths, args.world, args.median, args.sigma),
                 ["L", "W", "chunks", "mirrored_max_over_mean", "greedy_max_over_mean"]))
@@ -189,12 +221,13 @@ def main():
                                                                        dtype=torch.bfloat16)), flush=True)
     rows = []
     for L in args.lengths:
-        rows.append(simulate(L, args.world, args.heads, args.head_dim, args.median, args.sigma, args.iters))
-        print(rows[-1], flush=True)
+        new = simulate(L, args.world, args.heads, args.head_dim, args.median, args.sigma, args.iters, pairs=args.pairs)
+        rows += new
+        print(*new, sep="\n", flush=True)
         torch.cuda.empty_cache()
-    print("\n## Simulated zigzag ring, packed documents vs one causal stream (fwd+bwd, bf16)\n")
-    print(table(rows, ["L", "W", "docs", "mean_doc", "max_doc", "packed_ms", "stream_ms", "speedup",
-                       "max_over_mean", "stream_max_over_mean", "err"]))
+    print("\n## Simulated zigzag ring, packed documents (zigzag and k pairs) vs one causal stream (fwd+bwd, bf16)\n")
+    print(table(rows, ["L", "W", "layout", "docs", "mean_doc", "max_doc", "packed_ms", "slowest_rank_ms", "stream_ms",
+                       "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "fa4_launches", "err"]))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_packed.json"), "w") as f:
             json.dump(dict(env=env_line(), counts=counts, rows=rows), f, indent=1)

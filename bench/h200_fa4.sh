@@ -35,7 +35,7 @@ case "${1:-}" in
       | grep -v Warn | tee "$OUT/train_step.log" | tail -34 ;;
   packed)
     python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_packed.py tests/test_fa4_backend.py -k "gpu or varlen or facade" 2>&1 | tail -4 || true
-    python3 bench/bench_packed.py --lengths 131072 524288 --world 8 2>&1 | grep -v Warn | tee "$OUT/packed.log" | tail -16 ;;
+    python3 bench/bench_packed.py --lengths 131072 524288 --world 8 --pairs 1 8 16 2>&1 | grep -v Warn | tee "$OUT/packed.log" | tail -30 ;;
   trainpy-a)
     python3 bench/bench_train_py.py --shape llama3.2-3b --seq-length 32768 --configs offload --ga 1 4 --steps 3 \
       --work /tmp/trainpy 2>&1 | grep -v Warn | tee "$OUT/train_py_a.log" | tail -12 ;;

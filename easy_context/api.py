@@ -33,17 +33,35 @@ LAYOUT_ATTR = "_easy_context_layout"
 
 
 def shard_sequence(seq_algo: str, tensor: torch.Tensor, rank: int, world_size: int, dim: int = 1, **kw):
-    """This rank's shard of ``tensor`` along ``dim`` in ``seq_algo``'s layout."""
+    """This rank's shard of ``tensor`` along ``dim`` in ``seq_algo``'s layout.
+
+    ``positions=`` (the batch's global position ids): packed rows (a restart at 0) take the balanced k-pair
+    form of zigzag under ``zigzag_ring_attn`` / ``usp_attn`` (sharding.py); without it, or for rows without
+    restarts, the layout is plain zigzag. Shard every tensor of a packed batch with the same ``positions=``
+    (``prepare_seq_parallel_inputs`` does), since the attention rebuilds the layout from the position ids."""
     _check_world(rank, world_size)
     return get_algo(seq_algo).layout_module().shard(tensor, rank, world_size, dim=dim, **kw)
 
 
 def unshard_sequence(seq_algo: str, shards, dim: int = 1, **kw) -> torch.Tensor:
-    """Inverse of ``shard_sequence``: all ranks' shards in rank order -> the full tensor."""
+    """Inverse of ``shard_sequence``: all ranks' shards in rank order -> the full tensor. Pass the same
+    ``positions=`` as to ``shard_sequence`` (the global positions, or the rank-order concatenation of the local
+    ones: the packed test reads the same on both)."""
     shards = list(shards)
     if not shards:
         raise ValueError("unshard_sequence needs at least one shard")
     return get_algo(seq_algo).layout_module().unshard(shards, dim=dim, **kw)
+
+
+def _packed_hint(seq_algo, world_size, position_ids, kw) -> str:
+    """For packed rows under a zigzag ring: the lengths that get the fully balanced k-pair layout."""
+    from .sharding import PAIRS_MAX, PAIRS_MIN_CHUNK, packed_rows
+    sig = layout_signature(seq_algo, world_size, **kw)
+    if sig[0] != "zigzag" or not packed_rows(position_ids):
+        return ""
+    m = 2 * sig[1] * PAIRS_MAX * sig[2]
+    return (f"; these rows are packed: a multiple of {m} of at least {m * PAIRS_MIN_CHUNK // sig[2]} tokens gets "
+            f"the balanced layout with {PAIRS_MAX} mirrored pairs per ring rank")
 
 
 def prepare_seq_parallel_inputs(seq_algo: str, input_ids, position_ids, target_ids, rank: int,
@@ -51,7 +69,9 @@ def prepare_seq_parallel_inputs(seq_algo: str, input_ids, position_ids, target_i
     """Shard ``(batch, seq)`` inputs for this sp rank; positions stay the true global positions.
 
     Returns ``{"local_input_ids", "local_position_ids", "local_target_ids"}`` on ``device``
-    (targets may be ``None``). ``usp_attn`` takes ``ring_degree=``.
+    (targets may be ``None``). ``usp_attn`` takes ``ring_degree=``. Packed rows (positions restarting at 0) are
+    cut in the balanced k-pair layout under zigzag_ring_attn / usp_attn; unshard their outputs with
+    ``unshard_sequence(..., positions=position_ids)``.
     """
     algo = get_algo(seq_algo)
     _check_world(rank, world_size)
@@ -66,14 +86,16 @@ def prepare_seq_parallel_inputs(seq_algo: str, input_ids, position_ids, target_i
     if input_ids.shape[1] % mult != 0:
         n = input_ids.shape[1]
         raise ValueError(f"{seq_algo} on {world_size} ranks needs the sequence length to be a multiple of "
-                         f"{mult}; got {n} (use {n - n % mult or mult} or {n - n % mult + mult})")
+                         f"{mult}; got {n} (use {n - n % mult or mult} or {n - n % mult + mult})"
+                         + _packed_hint(seq_algo, world_size, position_ids, kw))
 
     tag = (layout_signature(seq_algo, world_size, **kw), describe_layout(seq_algo, world_size, **kw))
 
     def cut(t):
         if t is None:
             return None
-        local = shard_sequence(seq_algo, t, rank, world_size, dim=-1, **kw).to(device)
+        # packed rows (restarts at 0): the balanced k-pair layout, decided from the positions as the attention does
+        local = shard_sequence(seq_algo, t, rank, world_size, dim=-1, positions=position_ids, **kw).to(device)
         if local is t:  # never tag the caller's own tensor (data_parallel / one rank return it as is)
             local = local.view_as(local)
         setattr(local, LAYOUT_ATTR, tag)

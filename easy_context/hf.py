@@ -132,7 +132,17 @@ def _documents(seq_algo, groups, state, position_ids):
     hit = state.get("docs")
     if hit is not None and hit[0]() is position_ids and hit[1] == version:
         return hit[2]
-    docs = packing.documents(packing.gather_positions(seq_algo, position_ids, groups))
+    global_pos = packing.gather_positions(seq_algo, position_ids, groups)
+    try:
+        docs = packing.documents(global_pos)
+    except packing.PackedPositionsError as e:
+        if seq_algo in ("zigzag_ring_attn", "usp_attn") and packing.packed_rows(global_pos):
+            raise packing.PackedPositionsError(
+                f"{e}. (Packed rows are sharded in the balanced k-pair zigzag layout, decided from the position "
+                "ids: cut every tensor with prepare_seq_parallel_inputs, or shard_sequence(..., positions="
+                "global_position_ids); a plain zigzag shard of a long packed row looks like jumping positions.)"
+            ) from None
+        raise
     state["docs"] = (weakref.ref(position_ids), version, docs)
     return docs
 

@@ -14,7 +14,10 @@ the ``BlockDocs`` the kernel facade turns into dense pieces (``pieces``):
                                       none -> the pair is skipped (no kernel call, no merge)
   kv run == q run (a diagonal)        one causal piece per document inside the run
   kv run after the q run              nothing (causal)
-So attention costs sum(doc_len^2)/2, not L^2/2, and no varlen kernel is needed off the diagonal.
+So attention costs sum(doc_len^2)/2, not L^2/2, and no varlen kernel is needed off the diagonal. A block may
+hold several runs (the zigzag pair; the whole local q and kv of a k-pair ring step, sharding.py): every (q run,
+kv run) pair is one of the three cases above, and the rectangles of one document that are adjacent in the block's
+local rows are joined into one (``_join``) so a document crossing many fine chunks costs fewer kernel calls.
 
 Sliding windows (Mistral's ``sliding_window``, Gemma 3's local layers) ride on the same blocks: a ``Documents``
 with ``window=W`` (one document when the row is not packed) keeps key j for query i only when j > i - W (HF's
@@ -30,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .sharding import packed_rows
 
 
 class PackedPositionsError(ValueError):
@@ -60,7 +65,7 @@ def documents(positions: torch.Tensor, window: int | None = None) -> "Documents 
             f"position_ids row {b} jumps from {int(pos[b, i])} to {int(pos[b, i + 1])} at index {i + 1}: inside a "
             "document positions must increase by 1, and a new (packed) document must restart at 0")
     window = window if window is not None and window < pos.shape[1] else None
-    if not bool(restart.any()):
+    if not packed_rows(pos):  # the one packed test, shared with the sharding (sharding.py)
         return None if window is None else Documents(torch.zeros_like(pos), window)
     starts = torch.zeros_like(pos, dtype=torch.bool)
     starts[:, 0] = True
@@ -77,6 +82,9 @@ class Documents:
         if self.window is not None and self.window < 1:
             raise ValueError(f"sliding window must be >= 1, got {self.window}")
         self.uniform = bool((self.doc_ids == self.doc_ids[:1]).all())  # every batch row packed alike
+        # some row has a second document, i.e. its positions restart at 0 after index 0: sharding.packed_rows of
+        # the positions ``documents`` was built from (what the sharding decided the layout on)
+        self.packed = bool((self.doc_ids[:, -1] > 0).any())
         self._pieces: dict = {}
         self._windowed: dict = {}
 
@@ -94,6 +102,11 @@ class Documents:
     @property
     def length(self) -> int:
         return self.doc_ids.shape[1]
+
+    def pairs(self, world: int) -> int:
+        """k of the zigzag ring layout these rows were sharded in over ``world`` ring ranks (1 unless packed)."""
+        from .sharding import zigzag_pairs
+        return zigzag_pairs(self.length, world) if self.packed else 1
 
     def block(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> "BlockDocs":
         return BlockDocs(self, q_idx.cpu(), k_idx.cpu())
@@ -153,7 +166,32 @@ def _pieces(d: torch.Tensor, q_runs, k_runs, window=None) -> list[tuple[slice, s
             else:
                 raise AssertionError(f"q run [{qa}, {qa + qn}) and kv run [{ka}, {ka + kn}) partly overlap: "
                                      "not a block of a causal schedule")
-    return out
+    return out if window is not None else _join(out)
+
+
+def _join(pieces):
+    """Fewer kernel calls: diagonal pieces first (in order, so a varlen backend takes them in one launch), then
+    the rectangles, with those that are contiguous in the block's local rows joined: one document crossing several
+    chunks of a fine (k-pair) layout gives one rectangle per (q chunk, kv chunk), and the union of adjacent ones
+    with the same q rows (or the same kv rows) is again a rectangle of that document."""
+    diag = [p for p in pieces if p[2] is True]
+    by_q: list = []
+    for qs, ks, _ in (p for p in pieces if p[2] is False):  # same q rows, next kv rows (consecutive in the list)
+        if by_q and by_q[-1][0] == qs and by_q[-1][1].stop == ks.start:
+            by_q[-1] = (qs, slice(by_q[-1][1].start, ks.stop), False)
+        else:
+            by_q.append((qs, ks, False))
+    rects: list = []
+    open_at: dict = {}  # (kv start, kv stop, q stop) -> index of the rectangle that the next q rows could extend
+    for qs, ks, _ in by_q:
+        j = open_at.pop((ks.start, ks.stop, qs.start), None)
+        if j is None:
+            j = len(rects)
+            rects.append((qs, ks, False))
+        else:
+            rects[j] = (slice(rects[j][0].start, qs.stop), ks, False)
+        open_at[(ks.start, ks.stop, qs.stop)] = j
+    return diag + rects
 
 
 def _windowed(qo, qg, n, ko, kg, m, causal, w):
@@ -177,7 +215,11 @@ def _windowed(qo, qg, n, ko, kg, m, causal, w):
 
 
 def gather_positions(seq_algo: str, local: torch.Tensor, groups: dict) -> torch.Tensor:
-    """The global (B, L) positions of the sequence this sp group shares, from every rank's local ones."""
+    """The global (B, L) positions of the sequence this sp group shares, from every rank's local ones.
+
+    Packed rows are laid out in the k-pair form of zigzag under zigzag_ring_attn / usp_attn; which one is decided
+    from the gathered positions in rank order (``sharding.packed_rows`` reads the same there as on the global
+    positions the inputs were sharded with), so every rank undoes the layout ``prepare_seq_parallel_inputs`` made."""
     import torch.distributed as dist
 
     from .api import unshard_sequence
@@ -193,17 +235,22 @@ def gather_positions(seq_algo: str, local: torch.Tensor, groups: dict) -> torch.
         from .usp.attention import resolve_groups
         ring_group, r, u, uly_group = resolve_groups(groups.get("ring_group"), groups.get("ulysses_group"))
         local = torch.cat(gather(local, uly_group), dim=1) if u > 1 else local
-        return unshard_sequence("zigzag_ring_attn", gather(local, ring_group), dim=1) if r > 1 else local
+        if r == 1:
+            return local
+        parts = gather(local, ring_group)
+        return unshard_sequence("zigzag_ring_attn", parts, dim=1, positions=torch.cat(parts, dim=1))
     group = groups.get("group")
     if dist.get_world_size(group) == 1:
         return local
-    return unshard_sequence(seq_algo, gather(local, group), dim=1)
+    parts = gather(local, group)
+    return unshard_sequence(seq_algo, parts, dim=1, positions=torch.cat(parts, dim=1))
 
 
-def global_indices(seq_algo: str, length: int, rank: int, world: int) -> torch.Tensor:
-    """Global indices of ``rank``'s local rows in ``seq_algo``'s layout (a sequence of ``length``)."""
+def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> torch.Tensor:
+    """Global indices of ``rank``'s local rows in ``seq_algo``'s layout (a sequence of ``length``; ``positions=``
+    / ``pairs=`` / ``ring_degree=`` as for ``shard_sequence``)."""
     from .api import shard_sequence
-    return shard_sequence(seq_algo, torch.arange(length), rank, world, dim=0)
+    return shard_sequence(seq_algo, torch.arange(length), rank, world, dim=0, **kw)
 
 
 __all__ = ["documents", "Documents", "Band", "BlockDocs", "PackedPositionsError", "gather_positions", "global_indices"]

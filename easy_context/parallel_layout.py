@@ -192,10 +192,12 @@ class ParallelLayout:
             return {"ring_group": self.ring_group, "ulysses_group": self.ulysses_group}
         return {"group": self.sp_group} if algo.group_kwargs else {}
 
-    def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's shard of ``tensor`` along ``dim`` (the sp split; dp ranks hold other samples)."""
+    def shard(self, tensor: torch.Tensor, dim: int = 1, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's shard of ``tensor`` along ``dim`` (the sp split; dp ranks hold other samples).
+        ``positions``: the batch's global position ids (packed rows take the balanced k-pair layout)."""
         from .api import shard_sequence
-        return shard_sequence(self.seq_algo, tensor, self.sp_rank, self.sp, dim=dim, **self.layout_kw)
+        return shard_sequence(self.seq_algo, tensor, self.sp_rank, self.sp, dim=dim, positions=positions,
+                              **self.layout_kw)
 
     def prepare_inputs(self, input_ids, position_ids, target_ids, device) -> dict:
         """``prepare_seq_parallel_inputs`` with this layout's sp rank, size and degrees."""

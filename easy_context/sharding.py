@@ -37,3 +37,87 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     halves = [s.chunk(2, dim=dim) for s in shards]
     order = [halves[r][0] for r in range(w)] + [halves[r][1] for r in reversed(range(w))]
     return torch.cat(order, dim=dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# packed rows: zigzag with k mirrored pairs per rank
+# ----------------------------------------------------------------------------------------------
+# One causal stream does equal work on every zigzag rank, but packed documents do not: a rank's work is the sum
+# over its q tokens of their position inside their document + 1, and with 2W coarse chunks one long document can
+# land mostly on one rank (max/mean 2.2 at 128K, W=8, log-normal documents). Cutting finer and dealing mirrored
+# pairs round-robin averages that out (bench/bench_packed.py --count: max/mean 1.06 / 1.04 at 128K / 512K with
+# k=16). The idea of finer load-balancing splits is Striped Attention's (Brandon et al. 2023) and that of
+# Megatron-LM / Transformer Engine's THD load balancing (2·cp chunks, mirrored); this k-pair form is ours.
+#
+# The layout must be data-independent: the attention rebuilds it from the gathered *local* position ids alone
+# (``model(local_ids, position_ids=local_pos)`` takes no other argument), so k is a function of (L, W) only and
+# "packed" a test that reads the same on the global positions and on the rank-order concatenation of the shards.
+
+PAIRS_MAX = 16
+# Smallest chunk of the fine layout. Below ~256 rows a chunk is one or two 128-row tiles of the flash kernels
+# (FA3/FA4/cuDNN tile q by 128 on Hopper), so pieces would run at a fraction of peak and every ring step would
+# launch more, smaller kernels; 256 keeps each chunk two full tiles while 128K / W=8 still reaches k=16.
+PAIRS_MIN_CHUNK = 256
+
+
+def packed_rows(positions: torch.Tensor | None) -> bool:
+    """Does any row restart at 0 after its first token (packed documents)? One answer for the whole batch.
+
+    Identical on the global ``(B, L)`` positions and on the rank-order concatenation of the local shards of any
+    zigzag / k-pair / USP layout: rank 0's first local token is global token 0 in all of them, so the set of
+    indices other than 0 is the same set of tokens. A row whose first position is not 0 and never restarts is
+    one (continued) document: not packed."""
+    if positions is None:
+        return False
+    return bool((positions.reshape(-1, positions.shape[-1])[:, 1:] == 0).any())
+
+
+def zigzag_pairs(length: int, world_size: int, min_chunk: int = PAIRS_MIN_CHUNK, max_pairs: int = PAIRS_MAX) -> int:
+    """k for packed rows: the largest power of two <= ``max_pairs`` with ``length % (2 W k) == 0`` and chunks of
+    at least ``min_chunk`` tokens; 1 (plain zigzag) when none is larger. Data-independent on purpose: the
+    attention must rebuild the layout from the gathered local position ids, knowing only (L, W)."""
+    k = 1
+    if world_size <= 1:
+        return k  # one rank holds the whole row in order whatever k is
+    while 2 * k <= max_pairs and length % (4 * world_size * k) == 0 and length // (4 * world_size * k) >= min_chunk:
+        k *= 2
+    return k
+
+
+def layout_pairs(positions: torch.Tensor | None, length: int, world_size: int, **kw) -> int:
+    """k of the layout a batch with these ``positions`` (global or rank-order gathered) uses: 1 unless packed."""
+    return zigzag_pairs(length, world_size, **kw) if packed_rows(positions) else 1
+
+
+def pair_chunks(rank: int, world_size: int, pairs: int) -> list[int]:
+    """Global chunk ids (of n = 2 W k) held by ``rank``, in local (increasing global) order: {i, n-1-i : i < n/2,
+    i mod W == rank}. k = 1 is zigzag's (rank, 2W-1-rank)."""
+    n = 2 * world_size * pairs
+    own = [i for i in range(rank, n // 2, world_size)]
+    return sorted(own + [n - 1 - i for i in own])
+
+
+def pairs_shard(x: torch.Tensor, rank: int, world_size: int, pairs: int = 1, dim: int = 1) -> torch.Tensor:
+    if pairs == 1:
+        return zigzag_shard(x, rank, world_size, dim)
+    n = 2 * world_size * pairs
+    check_divisible(x.shape[dim], n, f"packed rows over {world_size} ranks with {pairs} mirrored pairs each "
+                                     f"(2 x {world_size} x {pairs} = {n} equal chunks)")
+    chunks = x.chunk(n, dim=dim)
+    return torch.cat([chunks[i] for i in pair_chunks(rank, world_size, pairs)], dim=dim)
+
+
+def pairs_unshard(shards: list[torch.Tensor], pairs: int = 1, dim: int = 1) -> torch.Tensor:
+    if pairs == 1:
+        return zigzag_unshard(shards, dim)
+    w = len(shards)
+    order: list = [None] * (2 * w * pairs)
+    for r, s in enumerate(shards):
+        for g, part in zip(pair_chunks(r, w, pairs), s.chunk(2 * pairs, dim=dim)):
+            order[g] = part
+    return torch.cat(order, dim=dim)
+
+
+def pairs_indices(length: int, rank: int, world_size: int, pairs: int = 1) -> torch.Tensor:
+    """Global token indices of ``rank``'s local rows, in local order."""
+    return pairs_shard(torch.arange(length), rank, world_size, pairs, dim=0)

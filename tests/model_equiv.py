@@ -212,8 +212,8 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
         prepared = prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, sp_rank, sp_size,
                                                torch.device("cpu"), **layout_kw)
         # the local positions are the true global ones (RoPE stays right)
-        assert torch.equal(prepared["local_position_ids"],
-                           shard_sequence(seq_algo, position_ids, sp_rank, sp_size, dim=-1, **layout_kw))
+        assert torch.equal(prepared["local_position_ids"], shard_sequence(
+            seq_algo, position_ids, sp_rank, sp_size, dim=-1, positions=position_ids, **layout_kw))
         sp_model.zero_grad(set_to_none=True)
         logits = sp_model(prepared["local_input_ids"], position_ids=prepared["local_position_ids"],
                           use_cache=False).logits
@@ -228,7 +228,7 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
         dist.all_reduce(total, group=sp_group)
         gathered = [torch.empty_like(logits) for _ in range(sp_size)]
         dist.all_gather(gathered, logits.detach().contiguous(), group=sp_group)
-        full_logits = unshard_sequence(seq_algo, gathered, dim=1, **layout_kw)
+        full_logits = unshard_sequence(seq_algo, gathered, dim=1, positions=position_ids, **layout_kw)
         assert_close(full_logits, ref_logits, rel, f"{tag} logits")
         assert_close(total, ref_loss, rel, f"{tag} loss")
         for name, p in sp_model.named_parameters():

@@ -4,7 +4,8 @@ Model level (W=2 and W=4, every mode, USP as 2x2, fp32 CPU): logits, loss and ev
 single-process reference that runs each document separately — one document, many short ones incl. a
 1-token document, boundaries on and off shard/zigzag-chunk edges, different packings per batch row; GQA
 (4 q / 2 kv heads). Kernel level: the facade's document mask vs float64 per-document attention, and the
-block skip counted for a row of many short documents.
+block skip counted for a row of many short documents. The same spawns also run tests/test_packed_balance.py's
+``balanced_body``: rows long enough for the balanced k-pair layout (4096 tokens, k > 1).
 """
 import pytest
 import torch
@@ -198,6 +199,7 @@ def _model_body(rank, world_size):
     from tests.model_equiv import check_model_equivalence
     seq_len = 48
     modes = [("zigzag_ring_attn", {}, {}), ("dist_flash_attn", {}, {}), ("ulysses_attn", {}, {})]
+    usp = None
     if world_size == 4:
         usp = ParallelLayout.build("usp_attn", ring_degree=2)
         modes.append(("usp_attn", usp.layout_kw, usp.attn_groups()))
@@ -211,6 +213,9 @@ def _model_body(rank, world_size):
     if world_size == 4:
         _count_skipped_blocks(rank, world_size)
         _bad_positions_error(rank, world_size)
+    # packed rows long enough for the balanced k-pair layout (tests/test_packed_balance.py), in the same spawn
+    from tests.test_packed_balance import balanced_body
+    balanced_body(rank, world_size, usp)
 
 
 def _count_skipped_blocks(rank, world_size):

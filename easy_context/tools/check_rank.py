@@ -192,7 +192,7 @@ def run_case(case, send=lambda payload: None) -> dict | None:
     if not root:
         return None
 
-    full_logits = unshard_sequence(case.mode, gathered, dim=1, **layout.layout_kw)
+    full_logits = unshard_sequence(case.mode, gathered, dim=1, positions=position_ids, **layout.layout_kw)
     ref_logits, ref_loss, ref_grads = reference_step(ref, input_ids, position_ids, target_ids, case.packed)
     grad_diffs = {name: diff(grads[name], ref_grads[name]) for name in ref_grads}
     docs = [int((position_ids[b] == 0).sum()) for b in range(position_ids.shape[0])]

@@ -5,7 +5,8 @@ for Long Context Generative AI", 2024), written on our own pieces: the packed al
 ``ulysses_attn`` and the zigzag ring of ``zigzag_ring_attn``. Shapes (R ring x U Ulysses ranks):
 
     q_BSlHD (B, S/(R*U), Hq, D)  --all-to-all in ulysses_group-->  (B, S/R, Hq/U, D)
-        the gathered S/R tokens are exactly this ring rank's zigzag pair (chunks r, 2R-1-r of 2R)
+        the gathered S/R tokens are exactly this ring rank's zigzag pair (chunks r, 2R-1-r of 2R; for packed
+        rows its k mirrored pairs of 2Rk chunks, which the ring reads off ``docs.pairs(R)``, see sharding.py)
     zigzag ring over ring_group on those heads                -->  out (B, S/R, Hq/U, D), lse
     --all-to-all back-->  out (B, S/(R*U), Hq, D)
 

@@ -3,11 +3,14 @@
 sp rank s = ring_rank * U + ulysses_rank (Ulysses groups are runs of consecutive ranks, so the
 all-to-all stays inside a node). The sequence is first split zigzag over the R ring ranks (ring rank r
 holds chunks r and 2R-1-r of 2R), then that local sequence is split contiguously over the U Ulysses
-ranks. The Ulysses all-to-all gathers exactly the ring rank's zigzag-local sequence back.
+ranks. The Ulysses all-to-all gathers exactly the ring rank's zigzag-local sequence back. Packed rows
+(``positions=`` with a restart at 0) split over the ring in the k-pair form of zigzag (sharding.py, k =
+``zigzag_pairs(L, R)``), then contiguously over the Ulysses ranks as before.
 """
 import torch
 
-from ..sharding import check_divisible, contiguous_shard, zigzag_shard, zigzag_unshard
+from ..sharding import check_divisible, contiguous_shard, pairs_shard, pairs_unshard
+from ..zigzag_ring_attn.layout import pairs_of
 
 
 def _degrees(world_size: int, ring_degree: int | None):
@@ -29,14 +32,15 @@ def seq_multiple(world_size: int, ring_degree: int | None = None, **_) -> int:
     return 2 * r * u
 
 
-def shard(x, rank, world_size, dim=1, ring_degree=None, **_):
+def shard(x, rank, world_size, dim=1, ring_degree=None, positions=None, pairs=None, **_):
     r, u = _degrees(world_size, ring_degree)
     check_divisible(x.shape[dim], 2 * r * u, f"usp_attn with ring {r} x ulysses {u} (2 x {r} x {u})")
-    local = zigzag_shard(x, rank // u, r, dim)
+    local = pairs_shard(x, rank // u, r, pairs_of(x.shape[dim], r, positions, pairs), dim)
     return contiguous_shard(local, rank % u, u, dim)
 
 
-def unshard(shards, dim=1, ring_degree=None, **_):
+def unshard(shards, dim=1, ring_degree=None, positions=None, pairs=None, **_):
     r, u = _degrees(len(shards), ring_degree)
     per_ring = [torch.cat(list(shards[i * u:(i + 1) * u]), dim=dim) for i in range(r)]
-    return zigzag_unshard(per_ring, dim)
+    length = sum(s.shape[dim] for s in per_ring)
+    return pairs_unshard(per_ring, pairs_of(length, r, positions, pairs), dim)

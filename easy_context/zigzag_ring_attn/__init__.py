@@ -1,7 +1,7 @@
 """zigzag_ring_attn: balanced causal ring attention (schedule and algorithm in attention.py)."""
 import math
 
-from .attention import (RingBlock, ZigzagRingAttnFunc, block_plan, check_inputs, global_chunks,
+from .attention import (RingBlock, Step, ZigzagRingAttnFunc, block_plan, check_inputs, global_chunks, ring_steps,
                         zigzag_ring_backward, zigzag_ring_forward)
 from .layout import seq_multiple, shard, unshard
 
@@ -14,7 +14,9 @@ def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Tru
     Differentiable. ``group=None``: the world group (W=1 or no process group: plain causal attention).
     Only ``causal=True`` and ``dropout_p=0`` are supported; the kernel follows ``EASY_CONTEXT_ATTN_BACKEND``.
     ``docs``: packed documents of the whole sequence (``easy_context.packing.documents(global_position_ids)``)
-    for causal attention within each document; the HF patch builds it from ``position_ids`` itself.
+    for causal attention within each document; the HF patch builds it from ``position_ids`` itself. Packed rows
+    (a restart at 0) long enough for it are laid out in the balanced k-pair form of zigzag (``docs.pairs(W)``):
+    shard them with ``shard_sequence("zigzag_ring_attn", x, rank, W, positions=global_position_ids)``.
     """
     check_inputs(q, k, v, dropout_p, causal)  # before any collective
     if softmax_scale is None:
@@ -26,4 +28,5 @@ zigzag_ring_attn_func.supports_attention_cache = True  # lean selective checkpoi
 
 
 __all__ = ["zigzag_ring_attn_func", "zigzag_ring_forward", "zigzag_ring_backward", "ZigzagRingAttnFunc",
-           "block_plan", "RingBlock", "global_chunks", "check_inputs", "shard", "unshard", "seq_multiple"]
+           "block_plan", "RingBlock", "ring_steps", "Step", "global_chunks", "check_inputs", "shard", "unshard",
+           "seq_multiple"]

@@ -16,6 +16,12 @@ k/v of ``src = (r - s) % W``. Which part of that block the causal mask needs (se
 
 Every step is 2c^2 score elements on every rank: the causal work is balanced with no padding.
 
+Packed documents (``docs``) of a row long enough use the finer k-pair layout (sharding.py: 2Wk chunks, rank r
+holds the mirrored pairs {i, 2Wk-1-i : i mod W == r}; k = ``docs.pairs(W)``, from (L, W) only, 1 for rows
+without restarts, which keep the plan above unchanged). A ring step then hands the facade the whole local q
+against the whole visiting k/v as one ``BlockDocs``: it walks every (q chunk run, kv chunk run) pair, computes
+the diagonal runs and the kv runs before the q runs that share a document, and skips the rest (no kernel call).
+
 Forward: the next k/v is posted (``RingComm``) before the current block is computed, so the transfer
 overlaps with compute; partial (out, lse) fold into float32 accumulators with ``kernels.merge_attn_out``.
 Backward: the final out/lse of each row make every block's (dq, dk, dv) an exact contribution
@@ -24,14 +30,14 @@ visiting travel on a second ring one step behind, so after W steps each rank hol
 """
 from __future__ import annotations
 
-import math
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
 from .. import kernels
 from ..comm import RingComm, group_rank_world
-from ..sharding import zigzag_shard
+from ..sharding import pairs_indices
 
 
 class RingBlock(NamedTuple):
@@ -106,9 +112,45 @@ def _block_docs(docs, rank, src, world, c, blk):
     if docs is None:
         return None
     n = 2 * c * world
-    q_idx = zigzag_shard(torch.arange(n), rank, world, dim=0)
-    k_idx = zigzag_shard(torch.arange(n), src, world, dim=0)
-    return docs.block(q_idx[blk.q_slice(c)], k_idx[blk.kv_slice(c)])
+    return docs.block(_rows(n, rank, world, 1)[blk.q_slice(c)], _rows(n, src, world, 1)[blk.kv_slice(c)])
+
+
+class Step(NamedTuple):
+    """One ring step as the kernels see it: q rows ``qs`` of this rank vs kv rows ``ks`` of rank ``src``."""
+    step: int
+    src: int
+    qs: slice
+    ks: slice
+    causal: bool
+    docs: object  # packing.BlockDocs, or None for a dense block
+
+
+def ring_steps(rank: int, world: int, local_len: int, docs=None, pairs: int | None = None) -> list[Step]:
+    """The W steps ``rank`` runs (pure: the ring, benchmarks and tests share it). Dense rows and k = 1: the zigzag
+    ``block_plan``; packed rows in the k-pair layout: the whole local q vs the whole visiting kv, the document
+    pieces deciding what is computed. ``pairs``: force k (benchmarks comparing layouts; needs ``docs``)."""
+    if pairs is None:
+        pairs = 1 if docs is None else docs.pairs(world)
+    if pairs == 1:
+        c = local_len // 2
+        return [Step(b.step, b.src, b.q_slice(c), b.kv_slice(c), b.causal, _block_docs(docs, rank, b.src, world, c, b))
+                for b in block_plan(rank, world)]
+    n, every = local_len * world, slice(None)
+    return [Step(s, (rank - s) % world, every, every, True,
+                 docs.block(_rows(n, rank, world, pairs), _rows(n, (rank - s) % world, world, pairs)))
+            for s in range(world)]
+
+
+@lru_cache(maxsize=64)
+def _rows(n: int, rank: int, world: int, pairs: int) -> torch.Tensor:
+    """A rank's global row indices (asked for by every layer and ring step; never modified)."""
+    return pairs_indices(n, rank, world, pairs)
+
+
+def _check_docs(docs, q, world) -> None:
+    if docs is not None and docs.length != q.shape[1] * world:
+        raise ValueError(f"zigzag_ring_attn: docs describe a sequence of {docs.length} tokens but {world} ranks hold "
+                         f"{q.shape[1]} each ({q.shape[1] * world}); build them from the global position ids")
 
 
 def zigzag_ring_forward(q, k, v, softmax_scale: float, group=None, backend: str | None = None, docs=None):
@@ -118,23 +160,23 @@ def zigzag_ring_forward(q, k, v, softmax_scale: float, group=None, backend: str 
     kv rows all lie in documents that ended before this rank's q rows start compute nothing (no kernel, no merge).
     """
     rank, world = _ring_position(group)
+    _check_docs(docs, q, world)
     if world == 1:
         if docs is not None:
             idx = torch.arange(q.shape[1])
             return kernels.attn_forward(q, k, v, True, softmax_scale, backend, docs=docs.block(idx, idx))
         return kernels.attn_forward(q, k, v, True, softmax_scale, backend)
-    c = q.shape[1] // 2
     comm = RingComm(group)
     out = lse = None
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    for blk in block_plan(rank, world):
+    for blk in ring_steps(rank, world, q.shape[1], docs):
         last = blk.step == world - 1
         if not last:  # post the next k/v before computing on the current one (overlap)
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit()
-        qs, ks = blk.q_slice(c), blk.kv_slice(c)
+        qs, ks = blk.qs, blk.ks
         res = kernels.attn_forward(q[:, qs], k_cur[:, ks], v_cur[:, ks], blk.causal, softmax_scale, backend,
-                                   docs=_block_docs(docs, rank, blk.src, world, c, blk))
+                                   docs=blk.docs)
         if res is None:
             pass  # packed documents: the mask removes this whole block
         elif out is None:  # step 0 covers every row (the diagonal): it initialises the fp32 accumulators
@@ -151,27 +193,26 @@ def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=No
                          docs=None):
     """(dq, dk, dv) of this rank's q and own k/v, from the saved inputs and the final out/lse."""
     rank, world = _ring_position(group)
+    _check_docs(docs, q, world)
     if world == 1:
         if docs is not None:
             idx = torch.arange(q.shape[1])
             return kernels.attn_backward(dout, q, k, v, out, lse, True, softmax_scale, backend,
                                          docs=docs.block(idx, idx))
         return kernels.attn_backward(dout, q, k, v, out, lse, True, softmax_scale, backend)
-    c = q.shape[1] // 2
     kv_comm, d_comm = RingComm(group), RingComm(group)
     acc = _acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     dk_next = dv_next = None
-    for blk in block_plan(rank, world):
+    for blk in ring_steps(rank, world, q.shape[1], docs):
         last = blk.step == world - 1
         if not last:
             k_next, v_next = kv_comm.send_recv(k_cur), kv_comm.send_recv(v_cur)
             kv_comm.commit()
-        qs, ks = blk.q_slice(c), blk.kv_slice(c)
+        qs, ks = blk.qs, blk.ks
         res = kernels.attn_backward(dout[:, qs], q[:, qs], k_cur[:, ks], v_cur[:, ks], out[:, qs], lse[:, :, qs],
-                                    blk.causal, softmax_scale, backend,
-                                    docs=_block_docs(docs, rank, blk.src, world, c, blk))
+                                    blk.causal, softmax_scale, backend, docs=blk.docs)
         if res is not None:
             dq[:, qs] += res[0]
         if blk.step == 0:

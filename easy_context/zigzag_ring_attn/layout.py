@@ -1,5 +1,10 @@
-"""Zigzag layout: 2W equal chunks, rank r holds chunks r and 2W-1-r (balanced causal work)."""
-from ..sharding import zigzag_shard, zigzag_unshard
+"""Zigzag layout: 2W equal chunks, rank r holds chunks r and 2W-1-r (balanced causal work).
+
+Packed rows (``positions=`` with a restart at 0) use the finer k-pair form of the same rule (sharding.py:
+2Wk chunks, rank r holds the mirrored pairs {i, 2Wk-1-i : i mod W == r}); k = ``zigzag_pairs(L, W)``, 1 for
+every row without restarts. ``pairs=`` forces k (tests, benchmarks).
+"""
+from ..sharding import layout_pairs, pairs_shard, pairs_unshard
 
 
 def signature(world_size: int, **_) -> tuple:
@@ -11,9 +16,14 @@ def seq_multiple(world_size: int, **_) -> int:
     return 2 * world_size
 
 
-def shard(x, rank, world_size, dim=1, **_):
-    return zigzag_shard(x, rank, world_size, dim)
+def pairs_of(length: int, world_size: int, positions=None, pairs=None) -> int:
+    return pairs if pairs is not None else layout_pairs(positions, length, world_size)
 
 
-def unshard(shards, dim=1, **_):
-    return zigzag_unshard(shards, dim)
+def shard(x, rank, world_size, dim=1, positions=None, pairs=None, **_):
+    return pairs_shard(x, rank, world_size, pairs_of(x.shape[dim], world_size, positions, pairs), dim)
+
+
+def unshard(shards, dim=1, positions=None, pairs=None, **_):
+    length = sum(s.shape[dim] for s in shards)
+    return pairs_unshard(shards, pairs_of(length, len(shards), positions, pairs), dim)
