@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from .. import kernels
+from ..attention_cache import cached_attention
 from ..comm import RingComm, group_rank_world
 from ..sharding import pairs_indices
 
@@ -239,7 +240,6 @@ class ZigzagRingAttnFunc(torch.autograd.Function):
     def forward(ctx, q, k, v, softmax_scale, group, backend, docs=None):
         # Under selective checkpointing the layer's recomputation gets (out, lse) back from the cache
         # (no ring traffic) and saves the recomputed q, k, v with them: only out + lse are kept per layer.
-        from ..memory.selective import cached_attention  # lazy: keeps the memory package off the import path
         out, lse = cached_attention(lambda: zigzag_ring_forward(q, k, v, softmax_scale, group, backend, docs))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.group, ctx.backend, ctx.docs = softmax_scale, group, backend, docs
