@@ -12,15 +12,15 @@ import copy
 import os
 import traceback
 
-from ..loss import IGNORE_INDEX as IGNORE
-from ..loss import global_count, global_sum, token_nll_sum
+from ...loss import IGNORE_INDEX as IGNORE
+from ...loss import global_count, global_sum, token_nll_sum
 
 
 def rank_entry(rank: int, world_size: int, port: int, cases: list, results, collective_timeout: float) -> None:
     """Spawn target: one gloo process; puts ``(rank, case_index, "info"|"ok"|"error", payload)`` per case,
     then ``(rank, None, "done", None)``."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from .gloo import gloo_process
+    from ..gloo import gloo_process
     try:
         with gloo_process(rank, world_size, port, collective_timeout):
             for i, case in enumerate(cases):
