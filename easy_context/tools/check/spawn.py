@@ -2,16 +2,10 @@
 from __future__ import annotations
 
 import queue
-import socket
 import time
 
+from ..gloo import free_port, stop_ranks
 from .case import Case
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cases(cases: list[Case], world: int, timeout: float = 600.0, collective_timeout: float = 120.0) -> list[dict]:
@@ -26,7 +20,7 @@ def run_cases(cases: list[Case], world: int, timeout: float = 600.0, collective_
     from .rank import rank_entry
     ctx = mp.get_context("spawn")  # fork would copy the parent's torch threads and state
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=rank_entry, args=(r, world, port, cases, results, collective_timeout), daemon=True)
              for r in range(world)]
     for p in procs:
@@ -61,11 +55,7 @@ def run_cases(cases: list[Case], world: int, timeout: float = 600.0, collective_
             elif payload is not None:
                 out[i]["results"].append(payload)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
+        stop_ranks(procs)
     if fatal is not None:
         for o in out:
             if o["error"] is None and not o["results"]:
