@@ -100,8 +100,9 @@ def chunked_nll_sum(head, hidden: torch.Tensor, targets: torch.Tensor, vocab_siz
     """Sum of token NLL and count of scored tokens, logits of ``chunk_size`` scored rows at a time (no backward:
     for evaluation; training uses ``chunked_lm_loss``).
 
-    ``head``: rows ``(n, H)`` -> fp32 logits ``(n, vocab_size)``. hidden ``(..., H)``, targets ``(...)``;
-    only scored rows go through the head. Returns ``(nll_sum float64 scalar, count int64 scalar)``.
+    ``head``: rows ``(n, H)`` -> logits ``(n, vocab_size)`` (cross-entropy in fp32, chunks summed in fp64).
+    hidden ``(..., H)``, targets ``(...)``; only scored rows go through the head. Returns ``(nll_sum float64
+    scalar, count int64 scalar)``.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).to(h.device)
