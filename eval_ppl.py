@@ -26,7 +26,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from easy_context.inference import IGNORE_INDEX
+from easy_context.loss import IGNORE_INDEX, global_sum
 
 
 def parse_args(argv=None):
@@ -155,7 +155,7 @@ def compute_perplexity(engine, docs, max_length, args, tokenizer, rank=0, world=
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     if dp_split:
-        dist.all_reduce(total)
+        total = global_sum(total)
     nll, count = total.tolist()
     return math.exp(nll / count) if count > 0 else float("nan"), nll, int(count)
 

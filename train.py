@@ -59,7 +59,8 @@ def train(args):
     from easy_context.training.optim import build_optimizer, configure_deepspeed, current_lr
     from easy_context.training.packed_data import batch_targets
     from easy_context.training.moe import aux_coef, aux_term
-    from easy_context.training.parallel import all_sum, build_layout, make_accelerator, nll_sum
+    from easy_context.loss import IGNORE_INDEX, global_sum
+    from easy_context.training.parallel import build_layout, make_accelerator, nll_sum
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
     config = load_config(args.model, args.rope_theta, args)  # + --rope-scaling
@@ -146,7 +147,7 @@ def train(args):
         for _ in range(GA):
             inp, pos, tgt = batch_targets(next(batches))  # optional labels / packed-document positions
             window.append(layout.prepare_inputs(inp.cpu(), pos.cpu(), tgt.cpu(), accelerator.device))
-        n_tokens = all_sum(sum((w["local_target_ids"] != -100).sum() for w in window).float()
+        n_tokens = global_sum(sum((w["local_target_ids"] != IGNORE_INDEX).sum() for w in window).float()
                            .to(accelerator.device)).clamp(min=1)
         scale = accelerator.num_processes * GA / n_tokens
         nll_window, aux_window = torch.zeros((), device=accelerator.device), 0.0
@@ -165,7 +166,7 @@ def train(args):
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad()
-        loss = (all_sum(nll_window) / n_tokens).item()  # token mean over the window, all ranks
+        loss = (global_sum(nll_window) / n_tokens).item()  # token mean over the window, all ranks
         if not math.isfinite(loss):  # the same value on every rank: all stop, nothing is saved
             raise UsageError(f"the loss is {loss} at step {step + 1}: stopping without saving (lower "
                              "--learning-rate, check the data, or resume from the last checkpoint)", code=1)

@@ -79,7 +79,8 @@ def run(args, L):
     from bench.bench_memory import configure, fwd_bwd  # the same configurations as the GPU benchmark
     from bench.llama7b import build_model, one_rank_group
     from transformers import LlamaConfig
-    from easy_context.memory import chunked_loss, offload as offload_mod
+    from easy_context import loss as loss_mod
+    from easy_context.memory import offload as offload_mod
     from easy_context.ops import rms_norm
     one_rank_group()
     d = args.hidden
@@ -103,8 +104,8 @@ def run(args, L):
     offload_mod.HostPool._new = new
     # the loss chunk is a constant (~0.5 GB at any length on the GPU); shrink it so that, as at 7B scale,
     # the decoder's per-token working set and not the loss chunk makes the peak
-    orig_chunk = chunked_loss.default_chunk_size
-    chunked_loss.default_chunk_size = lambda vocab: args.loss_chunk
+    orig_chunk = loss_mod.default_chunk_size
+    loss_mod.default_chunk_size = lambda vocab: args.loss_chunk
     # likewise eager row chunks: 16K rows of a 128K sequence at 7B -> the same fraction of L here
     orig_rows = rms_norm.row_chunks
     rms_norm.row_chunks = lambda n, d: orig_rows(n, d, max(1, L * 16384 // 131072) * d)
@@ -115,7 +116,7 @@ def run(args, L):
             fwd_bwd(model, args.config, L, torch.device("cpu"))
     finally:
         offload_mod.HostPool._new = orig_new
-        chunked_loss.default_chunk_size = orig_chunk
+        loss_mod.default_chunk_size = orig_chunk
         rms_norm.row_chunks = orig_rows
         for h in hooks:
             h.remove()

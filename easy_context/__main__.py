@@ -1,6 +1,6 @@
 """``python -m easy_context <command> ...``: the package's command-line tools.
 
-Each command lives in ``easy_context/tools/<command>.py`` with ``main(argv) -> exit status`` and is imported
+Each command lives in ``easy_context/tools/<command>/`` (a package) with ``main(argv) -> exit status`` and is imported
 only when chosen, so one command's missing or broken module never breaks another, and ``--help`` is instant.
 """
 from __future__ import annotations

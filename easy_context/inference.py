@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .api import seq_multiple, shard_sequence
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, chunked_nll_sum, global_sum
 from .registry import get_algo
 
 
@@ -119,46 +119,23 @@ def load_model(path: str, rope_theta: float | None = None, dtype: torch.dtype | 
 # ----------------------------------------------------------------------------------------------
 # chunked LM head + NLL
 # ----------------------------------------------------------------------------------------------
-def _head_and_cap(model):
-    head = model.get_output_embeddings()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return head, cap
-
-
 def logits_of(model, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits of a few rows of final hidden states (the LM head as HF applies it)."""
-    head, cap = _head_and_cap(model)
-    logits = head(hidden).float()
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
-
-
-def default_chunk_tokens(vocab_size: int) -> int:
-    # ~256 MiB of fp32 logits per chunk: big enough for matmul efficiency, small next to activations.
-    return max(1, (1 << 26) // max(1, vocab_size))
 
 
 def chunked_nll(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int | None = None):
     """Sum of token NLL and count of scored tokens; logits exist for ``chunk_tokens`` rows at a time.
 
     hidden ``(..., H)``, targets ``(...)`` with ``-100`` = not scored. Only scored rows go through the head.
-    Returns ``(nll_sum float64 scalar, count int64 scalar)``.
+    Returns ``(nll_sum float64 scalar, count int64 scalar)`` (``easy_context.loss.chunked_nll_sum``).
     """
-    h = hidden.reshape(-1, hidden.shape[-1])
-    t = targets.reshape(-1).to(h.device)
-    keep = (t != IGNORE_INDEX).nonzero().squeeze(-1)
-    total = torch.zeros((), dtype=torch.float64, device=h.device)
-    if keep.numel() == 0:
-        return total, torch.zeros((), dtype=torch.int64, device=h.device)
     vocab = model.get_output_embeddings().weight.shape[0]
-    step = chunk_tokens or default_chunk_tokens(vocab)
-    for s in range(0, keep.numel(), step):
-        rows = keep[s:s + step]
-        logits = logits_of(model, h.index_select(0, rows))
-        total += F.cross_entropy(logits, t.index_select(0, rows), reduction="sum").double()
-        del logits
-    return total, torch.tensor(keep.numel(), dtype=torch.int64, device=h.device)
+    return chunked_nll_sum(lambda rows: logits_of(model, rows), hidden, targets, vocab, chunk_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,8 +278,7 @@ class SeqParallelLM:
         s, c = chunked_nll(self.model, hidden, local_t, self.chunk_tokens)
         del hidden
         if self.world > 1:
-            pair = torch.stack([s, c.double()])
-            dist.all_reduce(pair, group=self.group)
+            pair = global_sum(torch.stack([s, c.double()]), self.group)
             s, c = pair[0], pair[1].round().long()
         return s.item(), int(c.item())
 

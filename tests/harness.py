@@ -14,17 +14,12 @@ instead of hanging CI. Put many cases in one body: each spawn pays seconds of im
 from __future__ import annotations
 
 import queue
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from easy_context.tools.gloo import free_port, stop_ranks
 
 
 def _entry(fn, rank, world_size, port, args, kwargs, results, collective_timeout):
@@ -89,11 +84,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
                         pass
                 break
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
+        stop_ranks(procs)
     if errors:
         msg = "\n".join(f"--- rank {r} of {world_size} failed ---\n{e}" for r, e in sorted(errors.items()))
         raise AssertionError(msg)

@@ -100,6 +100,25 @@ def test_chunked_loss_validation():
         chunked_lm_loss(torch.randn(3, 8), torch.randn(5, 8), torch.zeros(4, dtype=torch.long))
 
 
+def test_one_loss_module():
+    """easy_context.loss owns the losses; the old import paths are the same objects, and the eval helper's
+    chunked NLL equals the training chunked loss (same chunk rule)."""
+    from easy_context import inference, loss
+    from easy_context.memory import chunked_loss
+    for name in chunked_loss.__all__:
+        assert getattr(chunked_loss, name) is getattr(loss, name)
+    assert inference.IGNORE_INDEX == loss.IGNORE_INDEX == -100
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(2, 9, 8, generator=g, dtype=torch.float64), torch.randn(13, 8, generator=g,
+                                                                                         dtype=torch.float64)
+    targets = torch.randint(0, 13, (2, 9), generator=g)
+    targets[0, :4] = -100
+    ref, n = chunked_lm_loss(hidden, weight, targets, chunk_size=5)
+    s, c = loss.chunked_nll_sum(lambda h: h @ weight.t(), hidden, targets, 13, chunk_size=5)
+    assert int(c) == int(n) == 14
+    assert_close(s, ref, rel=1e-6, name="chunked_nll_sum")  # fp32 logits (token_nll_sum), fp64 reference
+
+
 def test_lm_head_loss_runs_inside_module_forward_hooks():
     """ZeRO-3/FSDP gather the head weight in module hooks: the loss must run inside lm_head's call."""
     head = torch.nn.Linear(8, 13, bias=False)

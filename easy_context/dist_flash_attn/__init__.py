@@ -6,7 +6,7 @@ Rank r holds contiguous chunk r (``shard_sequence("dist_flash_attn", x, r, W)``)
 See ``schedule.py`` for the helper schedule and ``easy_context/memory/selective.py`` for the
 rematerialisation-aware checkpointing this mode was designed with.
 """
-from .attention import (DistFlashAttnFunc, dist_flash_attn, dist_flash_attn_backward,
+from .attention import (DistFlashAttnFunc, check_inputs, dist_flash_attn, dist_flash_attn_backward,
                         dist_flash_attn_forward, validate)
 from .schedule import Block, block_plan, num_steps, work_counts
 
@@ -18,7 +18,7 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True
     is the world group. Raises ValueError (before any communication) for causal=False, dropout, odd W
     or mismatched shapes. ``docs``: packed documents of the whole sequence (``easy_context.packing``).
     """
-    validate(q, k, v, dropout_p, causal, group)
+    check_inputs(q, k, v, dropout_p, causal, group)
     return dist_flash_attn(q, k, v, softmax_scale, group, docs=docs)
 
 
@@ -26,4 +26,5 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True
 dist_flash_attn_func.supports_attention_cache = True
 
 __all__ = ["dist_flash_attn_func", "dist_flash_attn", "dist_flash_attn_forward", "dist_flash_attn_backward",
-           "DistFlashAttnFunc", "Block", "block_plan", "num_steps", "work_counts", "validate"]
+           "DistFlashAttnFunc", "Block", "block_plan", "num_steps", "work_counts", "check_inputs",
+           "validate"]

@@ -26,7 +26,8 @@ from .schedule import (Block, all_plans, check_world_size, input_messages, num_s
 # ----------------------------------------------------------------------------------------------
 # validation (local only: runs before any collective)
 # ----------------------------------------------------------------------------------------------
-def validate(q, k, v, dropout_p=0.0, causal=True, group=None) -> tuple[int, int]:
+def check_inputs(q, k, v, dropout_p=0.0, causal=True, group=None) -> tuple[int, int]:
+    """(rank, world) of ``group`` after checking the arguments; ValueError before any communication."""
     if not causal:
         raise ValueError("dist_flash_attn is causal only (its schedule balances causal work); "
                          "pass causal=True, or use ulysses_attn for non-causal attention")
@@ -40,6 +41,9 @@ def validate(q, k, v, dropout_p=0.0, causal=True, group=None) -> tuple[int, int]
     rank, world = group_rank_world(group)
     check_world_size(world)
     return rank, world
+
+
+validate = check_inputs  # the name before every mode's check was called check_inputs
 
 
 def _acc_dtype(q):  # float32 accumulators (float64 stays float64 for the math-backend reference)

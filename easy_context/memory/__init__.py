@@ -4,7 +4,8 @@
     configure_memory(model, checkpointing="offload", offload_every_k=1, tiled_mlp=True)
     loss = causal_lm_loss(model, local_input_ids, local_position_ids, local_target_ids, group=sp_group)
 
-* ``chunked_loss``  — LM head + cross-entropy chunk by chunk (no tokens x vocab tensor), token-weighted.
+* ``chunked_loss``  — LM head + cross-entropy chunk by chunk (no tokens x vocab tensor), token-weighted
+                    (``easy_context.loss``; re-exported here).
 * ``tiled_mlp``     — each decoder MLP runs over the sequence in tiles, forward and backward (ALST idea).
 * ``offload``       — checkpointed layer inputs in pinned host memory with overlapped copies; every-k nesting.
 * ``selective``     — keep attention output + LSE, recompute the rest (``enable_selective_checkpointing``).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .chunked_loss import causal_lm_loss, chunked_lm_loss, global_token_count, lm_head_loss
+from ..loss import causal_lm_loss, chunked_lm_loss, global_token_count, lm_head_loss
 from ..ops.lean_norm import apply_lean_norms, remove_lean_norms  # memory -> ops, never back
 from .offload import CheckpointOffload, enable_checkpoint_offload
 from .tiled_mlp import apply_tiled_mlp, tile_mlp, untile_mlp

@@ -1,9 +1,27 @@
-"""One gloo process on this machine: what every spawned CPU rank (``check``, the tests' harness) sets up."""
+"""One gloo process on this machine: what every spawned CPU rank (``check``, the tests' harness) sets up, and
+the parent's side: a free port for the group, stopping the ranks."""
 from __future__ import annotations
 
 import contextlib
 import datetime
 import os
+import socket
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the ranks' MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_ranks(procs) -> None:
+    """Kill the spawned rank processes still running, then reap every one (5 s each at most)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
 
 
 @contextlib.contextmanager

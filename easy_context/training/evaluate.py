@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from ..loss import global_sum
 from .data import load_any_dataset, validate_packed
 from .packed_data import IGNORE_INDEX, batch_targets
-from .parallel import all_sum, nll_sum
+from .parallel import nll_sum
 
 
 def load_eval_rows(args):
@@ -57,7 +58,7 @@ def eval_loss(model, unwrapped, rows, layout, args, device) -> float:
             nll += nll_sum(model, unwrapped, w["local_input_ids"], w["local_position_ids"], w["local_target_ids"],
                            args.chunked_loss).double()
             count += (w["local_target_ids"] != IGNORE_INDEX).sum()
-        return (all_sum(nll) / all_sum(count).clamp(min=1)).item()
+        return (global_sum(nll) / global_sum(count).clamp(min=1)).item()
     finally:
         if was_training:
             model.train()

@@ -3,13 +3,13 @@
 train.py's loss: each rank backpropagates ``sum(local NLL) * world * GA / N_window`` where N_window is
 the number of valid targets of the whole optimizer step (all ranks, all micro-batches); DeepSpeed/DDP
 average gradients over the world and scale by 1/GA, so the update is the one of the global token mean
-(``easy_context.loss`` explains the same identity for one micro-batch).
+(``easy_context.loss`` explains the same identity for one micro-batch; its ``global_sum`` is the all-reduce).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..loss import head_as_loss, token_nll_sum
 from .errors import UsageError
 
 
@@ -42,18 +42,10 @@ def make_accelerator(args):
         kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))])
 
 
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over every rank (dp and sp): window token counts and NLL sums."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        x = x.clone()
-        dist.all_reduce(x)
-    return x
-
-
 def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, router: list | None = None):
     """Forward + summed next-token NLL (fp32) of this rank's tokens; -100 targets are skipped.
 
-    ``chunked``: the LM head computes the loss chunk by chunk (``easy_context.memory.chunked_lm_loss``)
+    ``chunked``: the LM head computes the loss chunk by chunk (``easy_context.loss.chunked_lm_loss``)
     and never the (tokens x vocab) logits. It runs *as the head's forward inside the wrapped model's
     forward*, so DeepSpeed's engine forward and ZeRO-3's module hooks (weight gather for forward and
     backward) see an ordinary call; the model then returns the NLL sum in place of its logits.
@@ -61,15 +53,11 @@ def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, r
     """
     kw = {"output_router_logits": True} if router is not None else {}
     if chunked:
-        from easy_context.memory.chunked_loss import head_as_loss
-
         with head_as_loss(unwrapped.get_output_embeddings(), targets, nll_only=True):
             out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)
         if router is not None:
             router.append(out.router_logits)
         return out.logits
-    from easy_context.loss import token_nll_sum
-
     out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)
     if router is not None:
         router.append(out.router_logits)

@@ -12,15 +12,15 @@ import copy
 import os
 import traceback
 
-from ..loss import IGNORE_INDEX as IGNORE
-from ..loss import token_nll_sum
+from ...loss import IGNORE_INDEX as IGNORE
+from ...loss import global_count, global_sum, token_nll_sum
 
 
 def rank_entry(rank: int, world_size: int, port: int, cases: list, results, collective_timeout: float) -> None:
     """Spawn target: one gloo process; puts ``(rank, case_index, "info"|"ok"|"error", payload)`` per case,
     then ``(rank, None, "done", None)``."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from .gloo import gloo_process
+    from ..gloo import gloo_process
     try:
         with gloo_process(rank, world_size, port, collective_timeout):
             for i, case in enumerate(cases):
@@ -178,12 +178,9 @@ def run_case(case, send=lambda payload: None) -> dict | None:
     logits = sp_model(prepared["local_input_ids"], position_ids=prepared["local_position_ids"],
                       use_cache=False).logits
     local_sum, local_n = token_nll_sum(logits, prepared["local_target_ids"])
-    n = local_n.clone()
-    dist.all_reduce(n, group=sp_group)
-    loss = local_sum / n  # the global token mean, whatever share of labels this rank holds
+    loss = local_sum / global_count(local_n, sp_group)  # the global token mean, whatever this rank holds
     loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=sp_group)
+    total = global_sum(loss, sp_group)
     gathered = [torch.empty_like(logits) for _ in range(layout.sp)]
     dist.all_gather(gathered, logits.detach().contiguous(), group=sp_group)
     grads = _grads(sp_model)

@@ -1,0 +1,100 @@
+"""Time of one candidate: compute of one micro-batch on one GPU (kernel throughputs measured on one H200),
+sequence-parallel communication and ZeRO traffic over assumed link bandwidths, and the optimizer step."""
+from __future__ import annotations
+
+import math
+
+from .constants import RING_MODES, C
+from .memory import kv_width
+from .options import Env, Option
+from .shape import Shape
+
+
+def _interp(table: dict, L: int) -> float:
+    """Log-length interpolation of a {length: value} table, clamped at its ends."""
+    pts = sorted((int(k), float(v)) for k, v in table.items())
+    if L <= pts[0][0]:
+        return pts[0][1]
+    if L >= pts[-1][0]:
+        return pts[-1][1]
+    for (l0, v0), (l1, v1) in zip(pts, pts[1:]):
+        if l0 <= L <= l1:
+            t = (math.log(L) - math.log(l0)) / (math.log(l1) - math.log(l0))
+            return v0 + t * (v1 - v0)
+    raise AssertionError
+
+
+def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: float, k: int):
+    """(compute s of one micro-batch, attention fwd+bwd s per layer, attention fwd s per layer)."""
+    L, B, sp, d, da = env.seq_len, env.batch, opt.sp, shape.hidden, shape.d_attn
+    r_mm = g["matmul_tflops"] * 1e12
+    r_fb = _interp(g["attn_fwd_bwd_tflops"][kernel], L) * 1e12
+    r_f = _interp(g["attn_fwd_tflops"][kernel], L) * 1e12
+    load = C("ring_load_factor") if sp > 1 and opt.mode in RING_MODES + ("usp_attn",) else 1.0
+    attn_fwd_flops = 2.0 * B * L * L * da / sp      # causal: 4·L²·d_attn / 2 per sequence, split over sp
+    t_attn = 3.5 * attn_fwd_flops / r_fb * load
+    t_attn_f = attn_fwd_flops / r_f * load
+    t_mm = 6.0 * shape.matmul_params_active() * T / r_mm
+    t_ew = C("elementwise_s_per_token_dim_fused" if opt.fused_ops else "elementwise_s_per_token_dim_hf") * d * T
+    rec_ew = C("recompute_elementwise_fraction") * t_ew
+    per_layer = t_attn + t_mm + t_ew
+    if opt.checkpointing in ("layer", "offload"):
+        per_layer += t_mm / 3 + t_attn_f + rec_ew
+    else:  # selective: attention output kept, the rest recomputed
+        per_layer += t_mm / 3 + rec_ew
+    if opt.tiled_mlp:  # the tiled backward recomputes the MLP forward tile by tile
+        per_layer += 2.0 * shape.mlp_params(active=True) * T / r_mm
+    if k > 1:  # nested: the inner inputs of each group of k are recomputed once more
+        per_layer += (k - 1) / k * (t_mm / 3 + t_attn_f + rec_ew)
+    t_head = (6.0 + (2.0 if opt.chunked_loss else 0.0)) * shape.vocab * d * T / r_mm
+    return C("step_time_factor") * (shape.layers * per_layer + t_head), t_attn, t_attn_f
+
+
+def sp_comm_time(shape: Shape, opt: Option, env: Env, g: dict, T: float, t_attn: float, t_attn_f: float) -> float:
+    """Exposed sequence-parallel communication of one micro-batch (ring p2p beyond the overlapped compute,
+    Ulysses all-to-alls)."""
+    sp, da = opt.sp, shape.d_attn
+    kv_eff = kv_width(shape, opt, sp)
+    lat = C("comm_latency_s")
+    intra = sp <= env.gpus_per_node
+    p2p = (g["nvlink_p2p_gbs"] if intra else g["ib_gbs"]) * 1e9
+    t_sp = 0.0
+    fwd_passes = 2 if opt.checkpointing in ("layer", "offload") else 1
+    if sp > 1 and opt.mode in RING_MODES + ("usp_attn",):
+        r = sp if opt.mode != "usp_attn" else (opt.ring or sp)
+        fac = C("dist_flash_comm_factor") if opt.mode == "dist_flash_attn" else 1.0
+        kv_w = kv_eff if opt.mode == "usp_attn" else shape.d_kv
+        if r > 1:
+            f_bytes, b_bytes = fac * T * 2 * kv_w * 2, fac * T * 2 * kv_w * (2 + 4)  # bf16 k,v; + fp32 dk,dv back
+            f_comp, b_comp = t_attn_f / r, (t_attn - t_attn_f) / r
+            per_step = fwd_passes * (max(0.0, f_bytes / p2p - f_comp) + lat) + max(0.0, b_bytes / p2p - b_comp) + lat
+            t_sp += shape.layers * (r - 1) * per_step
+    if sp > 1 and opt.mode in ("ulysses_attn", "usp_attn"):
+        u = sp if opt.mode == "ulysses_attn" else sp // (opt.ring or sp)
+        if u > 1:
+            bw = (g["nvlink_collective_gbs"] if u <= env.gpus_per_node else g["ib_gbs"]) * 1e9
+            a2a = T * (2 * da + 2 * kv_eff) * 2 * (u - 1) / u / bw + 2 * lat   # q,k,v in + out back (or grads)
+            t_sp += shape.layers * a2a * (fwd_passes + 1 + (1 if opt.checkpointing == "selective" else 0))
+    return t_sp
+
+
+def zero_time(shape: Shape, opt: Option, env: Env, g: dict, t_compute: float):
+    """(exposed ZeRO traffic s per micro-batch, optimizer step s): gathers overlap compute, the excess counts."""
+    N, world = shape.params(), env.world
+    coll = (g["nvlink_collective_gbs"] if world <= env.gpus_per_node else g["ib_gbs"]) * 1e9
+    pcie = g["pcie_gbs"] * 1e9
+    share = (world - 1) / world
+    passes = 3  # forward, checkpoint recompute, backward: ZeRO-3 gathers the parameters for each
+    t_z = 0.0
+    if opt.zero in ("zero3", "zero3-offload"):
+        t_z = passes * 2 * N * share / coll + 2 * N * share / coll
+        if opt.zero == "zero3-offload":
+            t_z += (passes * 2 * N + 2 * N) / world / pcie
+    elif opt.zero in ("zero2", "zero2-offload-opt"):
+        t_z = 2 * N * share / coll
+    exposed = max(0.0, t_z - t_compute) + C("comm_exposed_fraction") * t_z
+    t_opt = {"zero3-offload": C("cpu_adam_s_per_param"), "zero2-offload-opt": C("cpu_adam_s_per_param"),
+             "zero3": C("gpu_adam_s_per_param"), "zero2": C("gpu_adam_s_per_param")}.get(opt.zero, 0.0) * N / world
+    if opt.zero in ("zero2", "zero2-offload-opt") and world > 1:
+        t_opt += 2 * N * share / coll  # updated parameters all-gathered once per step
+    return exposed, t_opt
