@@ -3,6 +3,10 @@
 ``RingComm(group)`` resolves its neighbours inside ``group`` (``dist.get_global_rank``), so a ring works
 in any subgroup (the ring of USP, the sp group of dp × sp). Ops are queued with ``send_recv`` and issued
 together by ``commit`` (one ``batch_isend_irecv``), then ``wait`` — issue before computing to overlap.
+
+A ``group`` may also be an in-process group (an object with ``in_process = True``, ``rank``, ``world_size``,
+``ring_comm()`` and ``p2p_exchange(sends, recvs)``): the tests run W simulated ranks as threads on one device
+that way, passing the group in like a real one instead of patching this module.
 """
 from __future__ import annotations
 
@@ -10,13 +14,24 @@ import torch
 import torch.distributed as dist
 
 
+def _in_process(group) -> bool:
+    return group is not None and getattr(group, "in_process", False) is True
+
+
 def group_rank_world(group=None) -> tuple[int, int]:
+    if _in_process(group):
+        return group.rank, group.world_size
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
 class RingComm:
+    def __new__(cls, group=None):
+        if _in_process(group):  # the group brings its own ring (not a RingComm: __init__ is skipped)
+            return group.ring_comm()
+        return super().__new__(cls)
+
     def __init__(self, group=None):
         if not dist.is_initialized():
             raise RuntimeError("sequence-parallel attention needs torch.distributed to be initialised "
@@ -61,6 +76,8 @@ class RingComm:
 
 def p2p_exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group=None):
     """Issue arbitrary point-to-point sends/recvs (peers are ranks *inside* ``group``); returns requests."""
+    if _in_process(group):
+        return group.p2p_exchange(sends, recvs)
     def glob(r):
         return r if group is None else dist.get_global_rank(group, r)
     ops = [dist.P2POp(dist.isend, t.contiguous(), glob(p), group=group) for t, p in sends]

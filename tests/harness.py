@@ -97,8 +97,8 @@ def run_ranks(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
 def run_threads(world_size: int, fn_per_rank, tls) -> list:
     """Run ``fn_per_rank(r)`` on ``world_size`` threads (``tls.rank = r`` in each) and return the results.
 
-    For single-device simulations of a ring, where the communication functions are replaced by in-process
-    queues keyed by ``tls.rank``. A failing thread is re-raised with its rank.
+    For single-device simulations of a ring (tests/sim_comm.py injects an in-process group into the modes).
+    A failing thread is re-raised with its rank.
     """
     import threading
 

@@ -6,7 +6,6 @@ and a one-device simulation (threads standing in for ranks) used for W=8 on CPU 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -17,7 +16,8 @@ from easy_context import kernels
 from easy_context.dist_flash_attn import dist_flash_attn_func
 from easy_context.dist_flash_attn.schedule import (Block, block_plan, check_world_size, input_messages,
                                                    num_steps, result_messages, work_counts)
-from tests.harness import run_ranks, run_threads
+from tests.harness import run_ranks
+from tests.sim_comm import run_simulated
 from tests.tols import assert_close
 
 # (batch, local length, q heads, kv heads, head_dim, dtype, backend)
@@ -239,37 +239,6 @@ def test_models_match_single_process(world):
 # how the bf16 check runs on the H200, and how W=8 is checked cheaply on CPU. Forward/backward are
 # called directly (autograd would run every thread's backward on one device thread).
 # ----------------------------------------------------------------------------------------------
-class _Req:
-    def __init__(self, fifo, buf):
-        self.fifo, self.buf = fifo, buf
-
-    def wait(self):
-        self.buf.copy_(self.fifo.get(timeout=60))
-
-
-def simulated_ranks(world, fn_per_rank):
-    """Run ``fn_per_rank(rank)`` on ``world`` threads sharing simulated P2P; results in rank order."""
-    import queue
-    import threading
-
-    import easy_context.dist_flash_attn.attention as A
-    hub = {(s, d): queue.Queue() for s in range(world) for d in range(world)}
-    tls = threading.local()
-
-    def p2p(sends, recvs, group=None):
-        for t, dst in sends:
-            hub[(tls.rank, dst)].put(t.contiguous().clone())
-        return [_Req(hub[(src, tls.rank)], buf) for buf, src in recvs]
-
-    saved = A.p2p_exchange, A.group_rank_world
-    A.p2p_exchange, A.group_rank_world = p2p, (lambda group=None: (tls.rank, world))
-    try:
-        results = run_threads(world, fn_per_rank, tls)
-    finally:
-        A.p2p_exchange, A.group_rank_world = saved
-    return results
-
-
 def simulated_kernel_check(world, b, n_local, hq, hkv, d, dtype, device, backend=None, seed=0):
     """out/dq/dk/dv of W simulated ranks vs the reference; also one full kernel's errors (same dtype)."""
     from easy_context.dist_flash_attn import dist_flash_attn_backward, dist_flash_attn_forward
@@ -278,13 +247,13 @@ def simulated_kernel_check(world, b, n_local, hq, hkv, d, dtype, device, backend
     refs = dict(zip(("out", "dq", "dk", "dv"), _reference(*(t.to(ref_dtype) for t in (q, k, v, dout)))))
     scale = 1.0 / math.sqrt(d)
 
-    def rank_fn(r):
+    def rank_fn(r, group):
         sl = slice(r * n_local, (r + 1) * n_local)
         ql, kl, vl, dl = (t[:, sl] for t in (q, k, v, dout))
-        out, lse = dist_flash_attn_forward(ql, kl, vl, scale, None, backend)
-        return (out,) + tuple(dist_flash_attn_backward(dl, ql, kl, vl, out, lse, scale, None, backend))
+        out, lse = dist_flash_attn_forward(ql, kl, vl, scale, group, backend)
+        return (out,) + tuple(dist_flash_attn_backward(dl, ql, kl, vl, out, lse, scale, group, backend))
 
-    res = simulated_ranks(world, rank_fn)
+    res, _ = run_simulated(world, rank_fn)
     got = {name: torch.cat([r[i] for r in res], dim=1) for i, name in enumerate(("out", "dq", "dk", "dv"))}
     o1, l1 = kernels.attn_forward(q, k, v, True, scale, backend)
     one = dict(zip(("out", "dq", "dk", "dv"), (o1,) + tuple(kernels.attn_backward(dout, q, k, v, o1, l1, True,

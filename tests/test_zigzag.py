@@ -15,7 +15,8 @@ from easy_context import kernels
 from easy_context.sharding import zigzag_shard, zigzag_unshard
 from easy_context.zigzag_ring_attn import (block_plan, global_chunks, zigzag_ring_attn_func,
                                            zigzag_ring_forward)
-from tests.harness import run_ranks, run_threads
+from tests.harness import run_ranks
+from tests.sim_comm import run_simulated
 from tests.tols import assert_close
 
 # (batch, seq_len_global_per_2W_chunk c, q heads, kv heads, head_dim, dtype, backend)
@@ -228,52 +229,6 @@ def test_models_match_single_process(world):
 # Forward/backward are called directly: autograd would run every thread's backward on the one device
 # thread and deadlock the ring.
 # ----------------------------------------------------------------------------------------------
-class _ThreadRing:
-    """Stands in for comm.RingComm: one FIFO per (src, dst) pair, matched in posting order like P2P."""
-
-    def __init__(self, hub, rank, world):
-        self.hub, self.rank, self.world_size = hub, rank, world
-        self._sends, self._recvs = [], []
-
-    def send_recv(self, to_send, recv_buf=None, reverse=False):
-        assert not reverse
-        buf = torch.empty_like(to_send) if recv_buf is None else recv_buf
-        self.hub["sent_shapes"].append(tuple(to_send.shape))
-        self._sends.append(to_send.contiguous().clone())
-        self._recvs.append(buf)
-        return buf
-
-    def commit(self):
-        for t in self._sends:
-            self.hub[(self.rank, (self.rank + 1) % self.world_size)].put(t)
-        self._sends = []
-
-    def wait(self):
-        src = (self.rank - 1) % self.world_size
-        for buf in self._recvs:
-            buf.copy_(self.hub[(src, self.rank)].get(timeout=60))
-        self._recvs = []
-
-
-def simulated_ring(world, fn_per_rank):
-    """Run ``fn_per_rank(rank)`` on ``world`` threads sharing a ring: (results in rank order, sent shapes)."""
-    import queue
-    import threading
-
-    import easy_context.zigzag_ring_attn.attention as A
-    hub = {(r, (r + 1) % world): queue.Queue() for r in range(world)}
-    hub["sent_shapes"] = []  # what went over the "wire" (list.append is thread-safe)
-    tls = threading.local()
-    saved = A.RingComm, A.group_rank_world
-    A.RingComm = lambda group=None: _ThreadRing(hub, tls.rank, world)
-    A.group_rank_world = lambda group=None: (tls.rank, world)
-    try:
-        results = run_threads(world, fn_per_rank, tls)
-    finally:
-        A.RingComm, A.group_rank_world = saved
-    return results, hub["sent_shapes"]
-
-
 def simulated_kernel_check(world, b, c, hq, hkv, d, dtype, device, backend=None, seed=0):
     """Zigzag out/dq/dk/dv of W simulated ranks vs full causal attention; returns relative errors.
 
@@ -293,12 +248,12 @@ def simulated_kernel_check(world, b, c, hq, hkv, d, dtype, device, backend=None,
     refs = {"out": r_out.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
     scale = 1.0 / d ** 0.5
 
-    def rank_fn(r):
+    def rank_fn(r, group):
         ql, kl, vl, dl = (zigzag_shard(t, r, world) for t in (q, k, v, dout))
-        out, lse = zigzag_ring_forward(ql, kl, vl, scale, None, backend)
-        return (out,) + tuple(zigzag_ring_backward(dl, ql, kl, vl, out, lse, scale, None, backend))
+        out, lse = zigzag_ring_forward(ql, kl, vl, scale, group, backend)
+        return (out,) + tuple(zigzag_ring_backward(dl, ql, kl, vl, out, lse, scale, group, backend))
 
-    res, sent = simulated_ring(world, rank_fn)
+    res, sent = run_simulated(world, rank_fn)
     # GQA: only k/v (and their grads) travel, with the kv heads, never expanded to q's heads
     assert sent and all(shape == (b, 2 * c, hkv, d) for shape in sent), set(sent)
     got = {name: zigzag_unshard([r[i] for r in res]) for i, name in enumerate(("out", "dq", "dk", "dv"))}
