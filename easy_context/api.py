@@ -55,13 +55,14 @@ def unshard_sequence(seq_algo: str, shards, dim: int = 1, **kw) -> torch.Tensor:
 
 def _packed_hint(seq_algo, world_size, position_ids, kw) -> str:
     """For packed rows under a zigzag ring: the lengths that get the fully balanced k-pair layout."""
-    from .sharding import PAIRS_MAX, PAIRS_MIN_CHUNK, packed_rows
+    from .sharding import PAIRS_ENV, pairs_min_chunk, packed_rows
     sig = layout_signature(seq_algo, world_size, **kw)
     if sig[0] != "zigzag" or not packed_rows(position_ids):
         return ""
-    m = 2 * sig[1] * PAIRS_MAX * sig[2]
-    return (f"; these rows are packed: a multiple of {m} of at least {m * PAIRS_MIN_CHUNK // sig[2]} tokens gets "
-            f"the balanced layout with {PAIRS_MAX} mirrored pairs per ring rank")
+    m = 4 * sig[1] * sig[2]
+    return (f"; these rows are packed: a multiple of {m} of at least {m * pairs_min_chunk() // sig[2]} tokens gets "
+            f"the balanced layout with 2 or more mirrored pairs per ring rank (chunks >= {pairs_min_chunk()} "
+            f"tokens, {PAIRS_ENV})")
 
 
 def prepare_seq_parallel_inputs(seq_algo: str, input_ids, position_ids, target_ids, rank: int,

@@ -5,6 +5,8 @@ rank does the same causal work. contiguous: rank r holds chunk r of W.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -46,7 +48,8 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 # over its q tokens of their position inside their document + 1, and with 2W coarse chunks one long document can
 # land mostly on one rank (max/mean 2.2 at 128K, W=8, log-normal documents). Cutting finer and dealing mirrored
 # pairs round-robin averages that out (bench/bench_packed.py --count: max/mean 1.06 / 1.04 at 128K / 512K with
-# k=16). The idea of finer load-balancing splits is Striped Attention's (Brandon et al. 2023) and that of
+# k=16), at the price of more, smaller kernel calls: PAIRS_MIN_CHUNK below picks k by measured wall time. The
+# idea of finer load-balancing splits is Striped Attention's (Brandon et al. 2023) and that of
 # Megatron-LM / Transformer Engine's THD load balancing (2·cp chunks, mirrored); this k-pair form is ours.
 #
 # The layout must be data-independent: the attention rebuilds it from the gathered *local* position ids alone
@@ -54,10 +57,27 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 # "packed" a test that reads the same on the global positions and on the rank-order concatenation of the shards.
 
 PAIRS_MAX = 16
-# Smallest chunk of the fine layout. Below ~256 rows a chunk is one or two 128-row tiles of the flash kernels
-# (FA3/FA4/cuDNN tile q by 128 on Hopper), so pieces would run at a fraction of peak and every ring step would
-# launch more, smaller kernels; 256 keeps each chunk two full tiles while 128K / W=8 still reaches k=16.
-PAIRS_MIN_CHUNK = 256
+# Smallest chunk of the fine layout, chosen by wall time, not by balance. Every extra chunk pair adds dense pieces
+# (kernel launches + LSE merges, ~0.5 ms each fwd+bwd with FA4) to every ring step, so balance only pays when a
+# rank's work is large. Measured on one H200 (FA4, bf16, W=8, 32 heads x 128, log-normal documents, slowest rank
+# fwd+bwd, bench/bench_packed.py, 2026-12-03):
+#     128K: k=1 19.0 ms, k=2 22.8, k=4 32.7, k=8 50.4, k=16 82.8      (k=1 = 8K chunks is best)
+#     256K: k=1 143.0, k=2 114.7, k=4 111.7, k=8 124.4                (k=2 = 8K chunks: within 3% of best)
+#     512K: k=1 415.4, k=4 331.3, k=8 336.8, k=16 335.6                (k=4 = 8K chunks is best)
+# so chunks of at least 8K tokens. EASY_CONTEXT_PAIRS_MIN_CHUNK overrides it (the same value on every rank: the
+# sharding and the attention must agree; the tests use 256 to reach k > 1 on short rows).
+PAIRS_MIN_CHUNK = 8192
+PAIRS_ENV = "EASY_CONTEXT_PAIRS_MIN_CHUNK"
+
+
+def pairs_min_chunk() -> int:
+    """The smallest fine-layout chunk in effect: ``EASY_CONTEXT_PAIRS_MIN_CHUNK`` if set, else PAIRS_MIN_CHUNK."""
+    raw = os.environ.get(PAIRS_ENV)
+    if raw is None or raw == "":
+        return PAIRS_MIN_CHUNK
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{PAIRS_ENV}={raw!r} must be a positive integer (tokens per chunk of the packed layout)")
+    return int(raw)
 
 
 def packed_rows(positions: torch.Tensor | None) -> bool:
@@ -72,13 +92,15 @@ def packed_rows(positions: torch.Tensor | None) -> bool:
     return bool((positions.reshape(-1, positions.shape[-1])[:, 1:] == 0).any())
 
 
-def zigzag_pairs(length: int, world_size: int, min_chunk: int = PAIRS_MIN_CHUNK, max_pairs: int = PAIRS_MAX) -> int:
+def zigzag_pairs(length: int, world_size: int, min_chunk: int | None = None, max_pairs: int = PAIRS_MAX) -> int:
     """k for packed rows: the largest power of two <= ``max_pairs`` with ``length % (2 W k) == 0`` and chunks of
-    at least ``min_chunk`` tokens; 1 (plain zigzag) when none is larger. Data-independent on purpose: the
-    attention must rebuild the layout from the gathered local position ids, knowing only (L, W)."""
+    at least ``min_chunk`` tokens (default ``pairs_min_chunk()``); 1 (plain zigzag) when none is larger.
+    Data-independent on purpose: the attention must rebuild the layout from the gathered local position ids,
+    knowing only (L, W)."""
     k = 1
     if world_size <= 1:
         return k  # one rank holds the whole row in order whatever k is
+    min_chunk = pairs_min_chunk() if min_chunk is None else min_chunk
     while 2 * k <= max_pairs and length % (4 * world_size * k) == 0 and length // (4 * world_size * k) >= min_chunk:
         k *= 2
     return k

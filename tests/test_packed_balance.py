@@ -8,10 +8,20 @@ import pytest
 import torch
 
 from easy_context import packing, prepare_seq_parallel_inputs, shard_sequence, unshard_sequence
-from easy_context.sharding import (PAIRS_MIN_CHUNK, layout_pairs, pair_chunks, packed_rows, pairs_indices,
-                                   pairs_shard, pairs_unshard, zigzag_pairs, zigzag_shard)
+from easy_context.sharding import (PAIRS_ENV, PAIRS_MIN_CHUNK, layout_pairs, pair_chunks, packed_rows, pairs_indices,
+                                   pairs_min_chunk, pairs_shard, pairs_unshard, zigzag_pairs, zigzag_shard)
 from easy_context.zigzag_ring_attn.attention import block_plan, ring_steps
 from tests.tols import assert_close
+
+
+# Short rows reach k > 1 only with small chunks: these tests use 256-token chunks (the setting every rank reads);
+# the default (8192, chosen by measured wall time) is checked in test_pairs_choice_is_a_function_of_length_and_world.
+SMALL_CHUNKS = "256"
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    monkeypatch.setenv(PAIRS_ENV, SMALL_CHUNKS)
 
 
 def _positions(lengths):
@@ -44,14 +54,24 @@ def test_pairs_shard_round_trip_and_k1_is_zigzag(world):
         assert len(set(cost)) == 1
 
 
-def test_pairs_choice_is_a_function_of_length_and_world():
-    assert zigzag_pairs(131072, 8) == 16 and zigzag_pairs(524288, 8) == 16
-    assert zigzag_pairs(4096, 2) == 4 and zigzag_pairs(4096, 4) == 2 and zigzag_pairs(48, 2) == 1
-    assert zigzag_pairs(12288, 8) == 2       # 384-token chunks at k=2; k=4 would cut 192 < PAIRS_MIN_CHUNK
-    assert zigzag_pairs(2 * 8 * 375, 8) == 1  # 375-token zigzag chunks, not a multiple of 4W: plain zigzag
-    assert zigzag_pairs(1 << 20, 1) == 1     # one rank: the order is the identity anyway
+def test_pairs_choice_is_a_function_of_length_and_world(monkeypatch):
+    monkeypatch.delenv(PAIRS_ENV, raising=False)
+    assert PAIRS_MIN_CHUNK == 8192 == pairs_min_chunk()  # the measured wall-time optimum (see sharding.py)
+    assert zigzag_pairs(131072, 8) == 1 and zigzag_pairs(262144, 8) == 2 and zigzag_pairs(524288, 8) == 4
+    assert zigzag_pairs(1 << 20, 8) == 8 and zigzag_pairs(1 << 22, 8) == 16  # capped at PAIRS_MAX
+    s = dict(min_chunk=256)
+    assert zigzag_pairs(131072, 8, **s) == 16 and zigzag_pairs(524288, 8, **s) == 16
+    assert zigzag_pairs(4096, 2, **s) == 4 and zigzag_pairs(4096, 4, **s) == 2 and zigzag_pairs(48, 2, **s) == 1
+    assert zigzag_pairs(12288, 8, **s) == 2       # 384-token chunks at k=2; k=4 would cut 192 < 256
+    assert zigzag_pairs(2 * 8 * 375, 8, **s) == 1  # 375-token zigzag chunks, not a multiple of 4W: plain zigzag
+    assert zigzag_pairs(1 << 20, 1) == 1          # one rank: the order is the identity anyway
     assert zigzag_pairs(96, 2, min_chunk=4) == 4 and zigzag_pairs(96, 2, min_chunk=4, max_pairs=2) == 2
-    assert PAIRS_MIN_CHUNK == 256
+    monkeypatch.setenv(PAIRS_ENV, "256")  # the setting: read at every call, so sharding and attention agree
+    assert pairs_min_chunk() == 256 and zigzag_pairs(131072, 8) == 16
+    for bad in ("0", "-5", "1e3", "big"):
+        monkeypatch.setenv(PAIRS_ENV, bad)
+        with pytest.raises(ValueError, match=PAIRS_ENV):
+            zigzag_pairs(131072, 8)
 
 
 def _cases():
@@ -117,8 +137,8 @@ def test_prepare_and_shard_use_the_pair_layout_only_for_packed_rows():
 
 def test_bad_lengths_fail_with_the_lengths_that_work():
     pos = _positions([100, 150])
-    with pytest.raises(ValueError, match=r"multiple of 8; got 250 \(use 248 or 256\).*packed.*multiple of 128 of "
-                                         r"at least 32768 tokens"):
+    with pytest.raises(ValueError, match=r"multiple of 8; got 250 \(use 248 or 256\).*packed.*multiple of 16 of "
+                                         r"at least 4096 tokens.*chunks >= 256"):
         prepare_seq_parallel_inputs("zigzag_ring_attn", torch.zeros(1, 250, dtype=torch.long), pos, None, 0, 4, "cpu")
     with pytest.raises(ValueError, match=r"multiple of 16 for packed rows over 2 ranks with 4 mirrored pairs"):
         pairs_shard(torch.zeros(1, 100), 0, 2, 4)
@@ -208,7 +228,20 @@ def test_rectangles_of_one_document_are_joined():
 def balanced_body(rank, world_size, usp_layout=None):
     """Packed rows long enough for k > 1 (4096 tokens: k=4 at W=2, k=2 at W=4, k=4 on USP's ring of 2): logits,
     loss and every gradient equal the per-document reference, as in test_packed's model checks."""
+    import os
     from tests.model_equiv import check_model_equivalence
+    before = os.environ.get(PAIRS_ENV)
+    os.environ[PAIRS_ENV] = SMALL_CHUNKS  # every rank of the spawn sets it alike: sharding and attention agree
+    try:
+        _balanced_cases(rank, world_size, usp_layout, check_model_equivalence)
+    finally:
+        if before is None:
+            os.environ.pop(PAIRS_ENV, None)
+        else:
+            os.environ[PAIRS_ENV] = before
+
+
+def _balanced_cases(rank, world_size, usp_layout, check_model_equivalence):
     n = 4096
     c = n // (2 * world_size * zigzag_pairs(n, world_size))  # the fine chunk: 256 in every case here
     assert c == 256 and zigzag_pairs(n, world_size) > 1
