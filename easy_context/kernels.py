@@ -393,16 +393,11 @@ VARLEN_MIN_DOCS = 4  # fewer documents in a run: per-document dense calls are as
 
 
 def _group(name, pieces):
-    """Pieces -> items: ("dense", piece), ("varlen", [causal diagonal pieces tiling one contiguous run]) or
-    ("rects", [non-causal rectangles]) - with a varlen backend, all of a block's rectangles are one launch."""
+    """Pieces -> items: ("dense", piece) or ("varlen", [causal diagonal pieces tiling one contiguous run])."""
     items, run = [], []
-    varlen = name in VARLEN
-    rects = [p for p in pieces if p[2] is False] if varlen else []
-    if len(rects) < VARLEN_MIN_DOCS:
-        rects = []
 
     def flush():
-        if len(run) >= VARLEN_MIN_DOCS and varlen:
+        if len(run) >= VARLEN_MIN_DOCS and name in VARLEN:
             items.append(("varlen", list(run)))
         else:
             items.extend(("dense", p) for p in run)
@@ -415,93 +410,10 @@ def _group(name, pieces):
         flush()
         if causal is True and qs == ks:
             run.append(p)
-        elif not (rects and causal is False):
+        else:
             items.append(("dense", p))
     flush()
-    if rects:
-        items.append(("rects", _rect_entries(tuple((p[0].start, p[0].stop, p[1].start, p[1].stop) for p in rects))))
     return items
-
-
-@lru_cache(maxsize=4096)  # every layer asks for the same blocks
-def _rect_entries(rects):
-    """Non-causal rectangles ((q start, q stop, kv start, kv stop) in block rows) -> varlen entries with disjoint q rows: q is cut at every rectangle edge, and each q
-    segment sees the union of the kv rows of the rectangles covering it (all fully visible: the kv rows precede
-    it in its document). Returns (q index, kv index, q lengths, kv lengths) for one launch; kv rows a segment
-    shares with another are gathered twice (a document crossing several q chunks)."""
-    cuts = sorted({x for r in rects for x in r[:2]})
-    q_parts, k_parts, lq, lk = [], [], [], []
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        kv = sorted((k0, k1) for q0, q1, k0, k1 in rects if q0 <= a and b <= q1)
-        if not kv:
-            continue
-        assert all(e <= s2 for (_, e), (s2, _) in zip(kv, kv[1:])), f"rectangles overlap in kv rows: {kv}"
-        q_parts.append(torch.arange(a, b))
-        k_parts += [torch.arange(s, e) for s, e in kv]
-        lq.append(b - a)
-        lk.append(sum(e - s for s, e in kv))
-    return torch.cat(q_parts), torch.cat(k_parts), lq, lk
-
-
-def _cu_lens(lens, batch, device):
-    t = torch.tensor(list(lens) * batch, dtype=torch.int32)
-    return F.pad(t.cumsum(0, dtype=torch.int32), (1, 0)).to(device), int(t.max())
-
-
-def _rects_call(name, q, k, v, bs, entries, scale):
-    """One non-causal varlen launch over a block's rectangles: gathered (B*Tq, H, D) q and (B*Tk, H, D) kv ->
-    (q index, out (B, Tq, H, D), lse (B, H, Tq)). The fallback runs the entries as dense calls."""
-    qi, ki, lq, lk = entries
-    qi, ki = qi.to(q.device), ki.to(q.device)
-    qg, kg, vg = q[bs][:, qi], k[bs][:, ki], v[bs][:, ki]
-    nb = qg.shape[0]
-    cu_q, mq = _cu_lens(lq, nb, q.device)
-    cu_k, mk = _cu_lens(lk, nb, q.device)
-
-    def dense():
-        return _pack_varlen(*_entries_dense(_FORWARD[name], qg, kg, vg, lq, lk, scale), nb)
-    o, l = VARLEN[name][0](qg.reshape(-1, *qg.shape[2:]), kg.reshape(-1, *kg.shape[2:]),
-                           vg.reshape(-1, *vg.shape[2:]), cu_q, cu_k, mq, mk, False, scale, dense)
-    n = qg.shape[1]
-    return qi, o.view(nb, n, *o.shape[1:]), l.view(l.shape[0], nb, n).transpose(0, 1)
-
-
-def _entries_dense(fwd, q, k, v, lq, lk, scale):
-    outs, lses, a, c = [], [], 0, 0
-    for n, m in zip(lq, lk):
-        o, l = fwd(q[:, a:a + n], k[:, c:c + m], v[:, c:c + m], False, scale)
-        outs.append(o)
-        lses.append(l)
-        a, c = a + n, c + m
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
-
-
-def _rects_backward(name, dout, q, k, v, out, lse, bs, entries, scale, grads):
-    """Backward of ``_rects_call``: dq scattered to the (disjoint) q rows, dk/dv added to every kv row's copy."""
-    qi, ki, lq, lk = entries
-    qi, ki = qi.to(q.device), ki.to(q.device)
-    qg, kg, vg, dg, og = q[bs][:, qi], k[bs][:, ki], v[bs][:, ki], dout[bs][:, qi], out[bs][:, qi]
-    lg = lse[bs][:, :, qi]
-    nb = qg.shape[0]
-    cu_q, mq = _cu_lens(lq, nb, q.device)
-    cu_k, mk = _cu_lens(lk, nb, q.device)
-    flat = [t.reshape(-1, *t.shape[2:]) for t in (dg, qg, kg, vg, og)]
-    l_flat = lg.transpose(0, 1).reshape(lg.shape[1], -1).contiguous()
-
-    def dense():
-        bwd, parts, a, c = _BACKWARD[name], [], 0, 0
-        dq, dk, dv = (torch.zeros_like(t) for t in (qg, kg, vg))
-        for n, m in zip(lq, lk):
-            g = bwd(dg[:, a:a + n], qg[:, a:a + n], kg[:, c:c + m], vg[:, c:c + m], og[:, a:a + n],
-                    lg[:, :, a:a + n], False, scale)
-            dq[:, a:a + n], dk[:, c:c + m], dv[:, c:c + m] = g
-            a, c = a + n, c + m
-        return tuple(t.reshape(-1, *t.shape[2:]) for t in (dq, dk, dv))
-    dq, dk, dv = VARLEN[name][1](*flat, l_flat, cu_q, cu_k, mq, mk, False, scale, dense)
-    gq, gk, gv = (x[bs] for x in grads)  # views of the accumulators (bs is a slice)
-    gq.index_add_(1, qi, dq.view(nb, -1, *dq.shape[1:]).to(gq.dtype))
-    gk.index_add_(1, ki, dk.view(nb, -1, *dk.shape[1:]).to(gk.dtype))
-    gv.index_add_(1, ki, dv.view(nb, -1, *dv.shape[1:]).to(gv.dtype))
 
 
 def _flat(x, bs, span):  # (B, L, H, D) rows of a run -> (B * n, H, D) for a varlen kernel
@@ -510,7 +422,8 @@ def _flat(x, bs, span):  # (B, L, H, D) rows of a run -> (B * n, H, D) for a var
 
 
 def _cu(run, batch, device):
-    return _cu_lens([p[0].stop - p[0].start for p in run], batch, device)
+    lens = torch.tensor([p[0].stop - p[0].start for p in run] * batch, dtype=torch.int32)
+    return F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0)).to(device), int(lens.max())
 
 
 def _doc_forward(name, q, k, v, scale, docs):
@@ -522,12 +435,6 @@ def _doc_forward(name, q, k, v, scale, docs):
                 acc = torch.float64 if q.dtype == torch.float64 else torch.float32
                 out = torch.zeros(q.shape, dtype=acc, device=q.device)
                 lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
-            if kind == "rects":  # one non-causal varlen launch; its q rows are disjoint but scattered
-                qi, o, l = _rects_call(name, q, k, v, bs, item, scale)
-                acc_o, acc_l = out[bs][:, qi], lse[bs][:, :, qi]
-                merge_attn_out(acc_o, acc_l, o, l)
-                out[bs][:, qi], lse[bs][:, :, qi] = acc_o, acc_l
-                continue
             if kind == "dense":
                 qs, ks, causal = item
                 f = fwd if isinstance(causal, bool) else _math_forward  # a window's band edge: explicit mask
@@ -566,9 +473,6 @@ def _doc_backward(name, dout, q, k, v, out, lse, scale, docs):
             if grads is None:
                 acc = torch.float64 if q.dtype == torch.float64 else torch.float32
                 grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
-            if kind == "rects":
-                _rects_backward(name, dout, q, k, v, out, lse, bs, item, scale, grads)
-                continue
             if kind == "dense":
                 qs, ks, causal = item
                 b = bwd if isinstance(causal, bool) else _math_backward

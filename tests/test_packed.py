@@ -117,16 +117,12 @@ def test_facade_document_mask_matches_per_document_attention(lengths):
         s += m
 
 
-def _varlen_entries(cu_q, cu_k):
-    return zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())
-
-
 def _math_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fallback):
     """A reference varlen kernel ((total, H, D) + cu_seqlens -> out, lse (H, total)) to exercise the
     facade's varlen grouping on CPU the way FA4's is used on a GPU."""
     outs, lses = [], []
-    for s, e, ks, ke in _varlen_entries(cu_q, cu_k):
-        o, l = kernels.attn_forward(q[s:e][None], k[ks:ke][None], v[ks:ke][None], causal, scale, "math")
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        o, l = kernels.attn_forward(q[s:e].unsqueeze(0), k[s:e].unsqueeze(0), v[s:e].unsqueeze(0), True, scale, "math")
         outs.append(o[0])
         lses.append(l[0])
     _math_varlen_forward.calls += 1
@@ -134,12 +130,11 @@ def _math_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fallb
 
 
 def _math_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, fallback):
-    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-    for s, e, ks, ke in _varlen_entries(cu_q, cu_k):
-        g = kernels.attn_backward(dout[s:e][None], q[s:e][None], k[ks:ke][None], v[ks:ke][None], out[s:e][None],
-                                  lse[:, s:e][None], causal, scale, "math")
-        dq[s:e], dk[ks:ke], dv[ks:ke] = (x[0] for x in g)
-    return dq, dk, dv
+    gs = []
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        t = [x[s:e].unsqueeze(0) for x in (dout, q, k, v, out)]
+        gs.append(kernels.attn_backward(*t, lse[:, s:e].unsqueeze(0), True, scale, "math"))
+    return tuple(torch.cat([g[i][0] for g in gs]) for i in range(3))
 
 
 def test_varlen_grouping_matches_per_document_calls(monkeypatch):
@@ -165,43 +160,6 @@ def test_varlen_grouping_matches_per_document_calls(monkeypatch):
         for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
             assert_close(a, b, 1e-12, f"varlen {name}")
     assert _math_varlen_forward.calls >= 2
-
-
-def test_rectangles_go_to_one_varlen_launch(monkeypatch):
-    """A k-pair ring block (q chunks vs a visiting rank's kv chunks, documents crossing several chunks): all its
-    non-causal rectangles are one varlen launch (FA4 on a GPU), kv rows gathered per q segment; out, lse and
-    every gradient equal the dense per-piece calls, rows packed alike and differently."""
-    monkeypatch.setitem(kernels.VARLEN, "math", (_math_varlen_forward, _math_varlen_backward))
-    g = torch.Generator().manual_seed(11)
-    c = 8
-    chunk = lambda ids: torch.cat([torch.arange(i * c, (i + 1) * c) for i in ids])  # noqa: E731
-    q_idx, k_idx = chunk([2, 5, 9, 14, 18, 22, 26]), chunk([1, 4, 7, 11, 16, 20, 25])  # 7 / 6 staircase rectangles
-    rows = {"alike": _positions([60, 3, 90, 1, 70]).expand(2, -1),
-            "different": torch.cat([_positions([60, 3, 90, 1, 70]), _positions([100, 2, 122])])}
-    for what, pos in rows.items():
-        blk = packing.documents(pos).block(q_idx, k_idx)
-        q, do = (torch.randn(2, len(q_idx), 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        k, v = (torch.randn(2, len(k_idx), 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        assert sum(p[2] is False for p in blk.pieces(0)) >= kernels.VARLEN_MIN_DOCS, what
-        _math_varlen_forward.calls = 0
-        got = kernels.attn_forward(q, k, v, True, 0.3, "math", docs=blk)
-        assert _math_varlen_forward.calls == (1 if what == "alike" else 2), (what, _math_varlen_forward.calls)
-        gg = kernels.attn_backward(do, q, k, v, *got, True, 0.3, "math", docs=blk)
-        monkeypatch.setattr(kernels, "VARLEN_MIN_DOCS", 10 ** 9)  # every rectangle its own dense call
-        ref = kernels.attn_forward(q, k, v, True, 0.3, "math", docs=blk)
-        rg = kernels.attn_backward(do, q, k, v, *ref, True, 0.3, "math", docs=blk)
-        monkeypatch.setattr(kernels, "VARLEN_MIN_DOCS", 4)
-        empty = torch.isneginf(ref[1])  # rows no kept kv row reaches (row 2's third document): lse -inf, out 0
-        assert torch.equal(torch.isneginf(got[1]), empty) and empty.any() == (what == "different")
-        got, ref = (got[0], got[1].masked_fill(empty, 0)), (ref[0], ref[1].masked_fill(empty, 0))
-        assert got[0].abs().sum() > 0
-        for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
-            assert_close(a, b, 1e-12, f"rects {what} {name}")
-    # rectangles sharing q rows (a q-joined one and a later one): cut at every edge, kv rows unioned in order
-    qi, ki, lq, lk = kernels._rect_entries(((0, 16, 0, 8), (8, 16, 10, 12), (20, 24, 3, 5)))
-    assert (lq, lk) == ([8, 8, 4], [8, 10, 2])
-    assert qi.tolist() == list(range(16)) + list(range(20, 24))
-    assert ki.tolist() == list(range(8)) + list(range(8)) + [10, 11, 3, 4]
 
 
 @pytest.mark.gpu
