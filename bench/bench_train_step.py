@@ -8,7 +8,7 @@ ours:     EasyContext's path on one rank (zigzag_ring_attn at W=1 -> kernel faca
           selective checkpointing (attention output + LSE kept: attention is never recomputed),
           chunked LM head + loss (no tokens x vocab logits).
 Forward + backward (no optimizer step; see bench_memory.py for one), batch 1, bf16 weights, random init.
-MFU = (6·N + 6·n_layers·L·d) · tokens / (time · 989e12) (DESIGN.md §5). Prints a per-layer time split
+MFU = (6·N + 6·n_layers·L·d) · tokens / (time · 989e12). Prints a per-layer time split
 of ours at the longest length (attention / MLP / norms / projections+RoPE; comm is 0 on one GPU).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m easy_context plan`'s model against every measured single-H200 point of README / DESIGN (CPU, no GPU).
+"""`python -m easy_context plan`'s model against every measured single-H200 point of README and the design notes' measurements (../shared/DESIGN.md §4, outside this repo) (CPU, no GPU).
 
     python bench/plan_validation.py          # predicted vs measured peak memory and step time, ratio columns
     python bench/plan_validation.py --fit    # re-derive the calibrated constants from their named points

@@ -189,8 +189,7 @@ class SeqParallelLM:
             self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         else:  # usp: ring x ulysses spans the world
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.layout_kw = layout.layout_kw if layout is not None else (
-            {"ring_degree": ring_degree} if seq_algo == "usp_attn" else {})
+        self.layout_kw = layout.layout_kw if layout is not None else algo.layout_kw(ring_degree=ring_degree)
         self.device = next(model.parameters()).device
         self.state = _State()
         self._sp_attn = make_attention_fn(seq_algo, **self.groups) if self.world > 1 else None

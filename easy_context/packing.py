@@ -223,6 +223,7 @@ def gather_positions(seq_algo: str, local: torch.Tensor, groups: dict) -> torch.
     import torch.distributed as dist
 
     from .api import unshard_sequence
+    from .registry import get_algo
 
     def gather(t, group):
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -231,14 +232,9 @@ def gather_positions(seq_algo: str, local: torch.Tensor, groups: dict) -> torch.
 
     if not (dist.is_available() and dist.is_initialized()):
         return local
-    if seq_algo == "usp_attn":  # Ulysses pieces form the ring rank's zigzag-local sequence; then the ring
-        from .usp.attention import resolve_groups
-        ring_group, r, u, uly_group = resolve_groups(groups.get("ring_group"), groups.get("ulysses_group"))
-        local = torch.cat(gather(local, uly_group), dim=1) if u > 1 else local
-        if r == 1:
-            return local
-        parts = gather(local, ring_group)
-        return unshard_sequence("zigzag_ring_attn", parts, dim=1, positions=torch.cat(parts, dim=1))
+    own = getattr(get_algo(seq_algo).layout_module(), "gather_positions", None)
+    if own is not None:  # a layout over several groups (usp) undoes its own cut
+        return own(local, groups, gather)
     group = groups.get("group")
     if dist.get_world_size(group) == 1:
         return local

@@ -157,7 +157,7 @@ class ParallelLayout:
     @property
     def layout_kw(self) -> dict:
         """Extra kwargs of the mode's layout (``ring_degree`` for usp_attn)."""
-        return {"ring_degree": self.ring} if self.seq_algo == "usp_attn" else {}
+        return get_algo(self.seq_algo).layout_kw(ring_degree=self.ring)
 
     @property
     def seq_multiple(self) -> int:

@@ -18,6 +18,11 @@ class SeqAlgo:
     layout: str                  # module path of the layout
     attention: str | None        # "module:function", None = plain (unpatched) attention
     group_kwargs: tuple[str, ...] = ("group",)
+    degree_kwargs: tuple[str, ...] = ()  # layout kwargs besides the sp size (usp: ring_degree)
+
+    def layout_kw(self, **degrees) -> dict:
+        """The layout kwargs of this mode from the degrees given (``ring_degree=``); others are dropped."""
+        return {k: degrees[k] for k in self.degree_kwargs if degrees.get(k) is not None}
 
     def layout_module(self) -> ModuleType:
         return importlib.import_module(self.layout)
@@ -39,7 +44,7 @@ REGISTRY: dict[str, SeqAlgo] = {
     "ulysses_attn": SeqAlgo("ulysses_attn", f"{_P}.ulysses_attn.layout",
                             f"{_P}.ulysses_attn:ulysses_attn_func"),
     "usp_attn": SeqAlgo("usp_attn", f"{_P}.usp.layout", f"{_P}.usp:usp_attn_func",
-                        ("ring_group", "ulysses_group")),
+                        ("ring_group", "ulysses_group"), ("ring_degree",)),
 }
 SEQ_ALGOS: tuple[str, ...] = tuple(REGISTRY)
 

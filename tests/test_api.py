@@ -1,4 +1,4 @@
-"""Public API (DESIGN.md §2), pure logic: names, layouts, input preparation, error messages."""
+"""Public API (the names README lists), pure logic: names, layouts, input preparation, error messages."""
 from __future__ import annotations
 
 import pytest

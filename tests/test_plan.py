@@ -1,4 +1,4 @@
-"""`python -m easy_context plan`: parameter count, DESIGN §5 FLOPs, fit / no-fit verdicts, CLI, JSON, usage errors.
+"""`python -m easy_context plan`: parameter count, MFU FLOPs, fit / no-fit verdicts, CLI, JSON, usage errors.
 Pure arithmetic (no torch work, no spawns); the measured-point comparison is bench/plan_validation.py."""
 from __future__ import annotations
 

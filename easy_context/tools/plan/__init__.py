@@ -4,7 +4,7 @@
     python -m easy_context plan --model path/to/model_dir --seq-length 524288 --gpus 8 --nodes 2 --json
 
 Offline and analytical: the config's shape (read with ``AutoConfig``, no weights; or a built-in name such as
-``llama-2-7b``) -> parameter count, FLOPs per token (DESIGN §5), bytes per token on the GPU and in host memory
+``llama-2-7b``) -> parameter count, FLOPs per token (6N + 6 n_layers L d), bytes per token on the GPU and in host memory
 for each memory option, ZeRO partitioning / offload, attention and ZeRO communication over assumed link
 bandwidths, kernel throughputs measured on one H200. Every constant, with its unit and source, is in
 ``easy_context/tools/plan_constants.json``; ``bench/plan_validation.py`` compares the predictions with every

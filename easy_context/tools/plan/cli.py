@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
           f"heads {shape.heads}/{shape.kv_heads} kv, vocab {shape.vocab}; L={args.seq_length}, "
           f"{args.nodes} x {args.gpus} {args.gpu.upper()} ({args.gpu_mem or g['memory_gib']:g} GiB each, "
           f"host {host:g} GiB/node), batch {args.batch_size}, GA {args.gradient_accumulate_every}")
-    print(f"model FLOPs/token (DESIGN §5) {model_flops_per_token(shape, args.seq_length):.3e}; "
+    print(f"model FLOPs/token (6N + 6 n_layers L d) {model_flops_per_token(shape, args.seq_length):.3e}; "
           f"{len(fits)} of {len(rows)} candidates fit")
     shown = fits[:args.top] if fits else rows[:args.top]
     if not fits:
