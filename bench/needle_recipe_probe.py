@@ -27,24 +27,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def digit_tokenizer(texts, out_dir, vocab_size=768):
-    """Byte-level BPE with each digit its own pre-token (a leading space stays attached to the first)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?\d"), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="</s>")
-    fast.save_pretrained(out_dir)
-    return fast
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=64)
@@ -74,7 +56,7 @@ def main(argv=None):
     torch.manual_seed(0)
     texts = make_corpus(400) + make_needle_corpus(3000, 0, 6) + [filler_text(300)]
     tdir = tempfile.mkdtemp(prefix="needle_probe_tok_")
-    tok = digit_tokenizer(texts, tdir, a.vocab) if a.digit_tokenizer else build_tokenizer(texts, tdir, a.vocab)
+    tok = build_tokenizer(texts, tdir, a.vocab, split_digits=a.digit_tokenizer)
     nh = NeedleHaystack(tok, filler_text(), max(a.eval_lengths + [a.max_context]))
     print("answer tokens of 4821:", [tok.decode([i]) for i in nh.answer_ids("4821")])
 

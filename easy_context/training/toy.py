@@ -81,13 +81,19 @@ def make_chat_corpus(n: int = 60, seed: int = 0) -> list[list[dict]]:
     return out
 
 
-def build_tokenizer(texts: list[str], out_dir: str, vocab_size: int = 384):
-    """Byte-level BPE (GPT-2 style) trained on ``texts``; saved as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(texts: list[str], out_dir: str, vocab_size: int = 384, split_digits: bool = False):
+    """Byte-level BPE (GPT-2 style) trained on ``texts``; saved as a transformers fast tokenizer.
+
+    ``split_digits``: every digit is its own pre-token, a leading space staying on the first (" 4" "8" "2" "1"),
+    so a number's first token is told apart from the haystack's spaces by content (bench/needle_recipe_probe.py).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = byte_level if not split_digits else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r" ?\d"), behavior="isolated"), byte_level])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
