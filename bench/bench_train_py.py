@@ -10,7 +10,8 @@ not counted. Configs (accelerate_configs/):
   offload      single_node.yaml, 1 process: ZeRO-3, parameters + optimizer offloaded to CPU (the shipped recipe)
   opt-offload  single_gpu.yaml: ZeRO-2, parameters/gradients on the GPU, optimizer (CPU Adam) on the host
   gpu          single_gpu.yaml + zero2_gpu.json: everything on the GPU (torch AdamW), when it fits
-The bare step is bench_train_step's "ours" (fwd+bwd only) on the same shape and length. MFU as in bench_train_step (6N + 6 n_layers L d per token).
+The bare step is bench_train_step's "ours" (fwd+bwd only) on the same shape and length. MFU as in
+bench_train_step (6N + 6 n_layers L d FLOPs per token).
 `--tiny` runs the whole pipeline on CPU with a tiny shape and the CPU config (code-path check, no timings).
 """
 from __future__ import annotations

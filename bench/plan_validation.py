@@ -1,4 +1,6 @@
-"""`python -m easy_context plan`'s model against every measured single-H200 point of README and the design notes' measurements (../shared/DESIGN.md §4, outside this repo) (CPU, no GPU).
+"""`python -m easy_context plan`'s model against every measured single-H200 point (CPU, no GPU).
+
+The points are README's tables plus the project's design notes (../shared/DESIGN.md §4, outside this repo).
 
     python bench/plan_validation.py          # predicted vs measured peak memory and step time, ratio columns
     python bench/plan_validation.py --fit    # re-derive the calibrated constants from their named points

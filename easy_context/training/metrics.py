@@ -7,7 +7,7 @@ import resource
 
 import torch
 
-PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the project's MFU reference (README, "Benchmarks": MFU)
+PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the project's MFU reference (README, "Performance")
 
 
 def flops_per_token(n_params: int, n_layers: int, seq_len: int, d_model: int) -> float:

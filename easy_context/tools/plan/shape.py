@@ -64,7 +64,7 @@ class Shape:
 
 
 def model_flops_per_token(shape: Shape, seq_len: int) -> float:
-    """The MFU FLOP count (README): 6·N_params + 6·n_layers·L·d_model (causal attention, fwd+bwd, recompute excluded)."""
+    """The MFU FLOP count (README): 6·N_params + 6·n_layers·L·d_model (causal attention, fwd+bwd, no recompute)."""
     return 6.0 * shape.params() + 6.0 * shape.layers * seq_len * shape.hidden
 
 
