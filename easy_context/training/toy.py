@@ -121,45 +121,92 @@ def build_model(out_dir: str, vocab_size: int, hidden: int = 64, layers: int = 2
     return model
 
 
+def make_drill_corpus(n_docs: int = 400, seed: int = 0, digits=(6, 16)) -> list[str]:
+    """Passkey drills, "The pass key is N. Remember it. N is the pass key." (the passkey sentence of
+    Mohtashami & Jaggi's landmark-attention test, which EasyContext's needle descends from) with a long N.
+
+    Each copies a many-digit number once, a dense copy target: on the toy model these grow the induction
+    heads that a needle's bare digits need (needle documents alone never did; bench/needle_recipe_probe.py).
+    """
+    from easy_context.haystack import random_number
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_docs):
+        n = random_number(rng, rng.randint(*digits))
+        out.append(f"The pass key is {n}. Remember it. {n} is the pass key.")
+    return out
+
+
+def _fitting_sentences(tok, max_tokens: int, digits) -> int:
+    """The most eval-haystack sentences a needle document may hold and still fit ``max_tokens`` tokens."""
+    from easy_context.haystack import NEEDLE, PREFIX, QUESTION_STR, filler_text
+
+    sents = [s.strip().rstrip(".") + "." for s in filler_text().replace("\n\n", " ").split(". ")]
+    widest = "9" * (digits if isinstance(digits, int) else max(digits))
+    fixed = len(tok(PREFIX + NEEDLE.format(widest) + QUESTION_STR + f" {widest}.", add_special_tokens=False)
+                ["input_ids"]) + 2 + 4  # BOS/EOS of packing, a few tokens for the longest city name
+    n, used = 0, fixed
+    while n < len(sents):
+        used += len(tok(" " + sents[n], add_special_tokens=False)["input_ids"])
+        if used > max_tokens:
+            break
+        n += 1
+    return n
+
+
 def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, needle_docs: int = 0,
-              needle_max_sentences: int = 16, document_masking: bool = False, **model_kw) -> dict:
+              needle_max_sentences: int | None = 16, needle_digits=(4, 10), drill_docs: int = 0,
+              split_digits: bool = False, vocab_size: int = 384, document_masking: bool = False,
+              **model_kw) -> dict:
     """Write ``out``/{model, tokenizer inside model, corpus.jsonl, data_<L>} and return their paths.
 
-    ``needle_docs``: passkey documents (``make_needle_corpus``) shuffled into the corpus, so the demo's model
-    learns eval_needle's prompt format (copying the number itself needs far more steps than the CPU demo has);
-    the tokenizer also sees the eval's filler text. ``document_masking``: rows also carry ``position_ids``
-    restarting at every document (``prepare_data.py --document-masking``), so attention stays inside documents.
-    ``model_kw``: ``build_model`` sizes.
+    ``needle_docs``: passkey documents (``make_needle_corpus``) shuffled into each data_<L>, so the model
+    learns eval_needle's prompt format; ``needle_max_sentences=None`` fills each length's documents with up to
+    as many haystack sentences as fit one row of L tokens (a fresh draw per length: longer stages see longer
+    haystacks, as eval_needle will ask). ``drill_docs``: passkey drills (``make_drill_corpus``), which teach
+    the copying itself. ``split_digits``: the tokenizer isolates digits (``build_tokenizer``); with all three,
+    the demo's model reads 2-digit needles out of its haystack (README, "Quick start"). The tokenizer also sees
+    the eval's filler text. ``document_masking``: rows also carry ``position_ids`` restarting at every document
+    (``prepare_data.py --document-masking``), so attention stays inside documents. ``corpus.jsonl`` holds the
+    documents of the first length. ``model_kw``: ``build_model`` sizes.
     """
     import json
 
     from .data import pack_documents
 
     os.makedirs(out, exist_ok=True)
-    docs = make_corpus(n_docs, seed)
-    tok_texts = docs
+    rng = random.Random(seed)
+    base = make_corpus(n_docs, seed) + (make_drill_corpus(drill_docs, seed) if drill_docs else [])
+    tok_texts = base
     if needle_docs:
         from easy_context.haystack import filler_text
-        docs = docs + make_needle_corpus(needle_docs, seed, needle_max_sentences)
-        random.Random(seed).shuffle(docs)
-        tok_texts = docs + [filler_text(300)]
+        tok_texts = base + make_needle_corpus(min(needle_docs, 2000), seed, needle_max_sentences or 16,
+                                              needle_digits) + [filler_text(300)]
     model_dir = os.path.join(out, "tiny-llama")
-    tok = build_tokenizer(tok_texts, model_dir)
+    tok = build_tokenizer(tok_texts, model_dir, vocab_size, split_digits=split_digits)
     build_model(model_dir, vocab_size=len(tok), seed=seed, **model_kw)
-    corpus = os.path.join(out, "corpus.jsonl")
-    with open(corpus, "w") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
-    paths = {"model": model_dir, "corpus": corpus}
-    ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
-    for L in seq_lengths:
-        path = os.path.join(out, f"data_{L}")
-        if document_masking:
-            from .packed_data import pack_text, save_rows
-            save_rows(list(pack_text(ids, L, tok.bos_token_id, tok.eos_token_id)), path)
-            paths[f"data_{L}"] = path
+    paths = {"model": model_dir}
+    for i, L in enumerate(seq_lengths):
+        needles = []
+        if needle_docs:
+            sents = needle_max_sentences or _fitting_sentences(tok, L, needle_digits)
+            needles = make_needle_corpus(needle_docs, seed + i, sents, needle_digits)
+        docs = base + needles
+        if needles or drill_docs:
+            rng.shuffle(docs)
+        if i == 0:
+            paths["corpus"] = os.path.join(out, "corpus.jsonl")
+            with open(paths["corpus"], "w") as f:
+                f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+        path = paths[f"data_{L}"] = os.path.join(out, f"data_{L}")
+        ids = tok(docs, add_special_tokens=False)["input_ids"]
+        if document_masking:  # whole documents per row (greedy, padded): a passkey document never loses its needle
+            from .packed_data import pack_examples, save_rows
+            whole = ([tok.bos_token_id] + d + [tok.eos_token_id] for d in ids)
+            save_rows(list(pack_examples(((d, d) for d in whole), L, tok.eos_token_id, {})), path)
         else:
-            paths[f"data_{L}"] = pack_documents(ids, L, path, tok.bos_token_id, tok.eos_token_id, progress=False)
+            pack_documents(ids, L, path, tok.bos_token_id, tok.eos_token_id, progress=False)
     return paths
 
 
@@ -169,12 +216,19 @@ if __name__ == "__main__":
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[128])
     p.add_argument("--docs", type=int, default=200)
     p.add_argument("--needle-docs", type=int, default=0, help="passkey documents in eval_needle's format")
-    p.add_argument("--needle-max-sentences", type=int, default=16, help="filler sentences per passkey document")
+    p.add_argument("--needle-max-sentences", type=int, default=16,
+                   help="filler sentences per passkey document; 0 = as many as fit each length's rows")
+    p.add_argument("--needle-digits", type=int, nargs=2, default=[4, 10], metavar=("MIN", "MAX"),
+                   help="digits of the passkey documents' numbers")
+    p.add_argument("--drill-docs", type=int, default=0, help="passkey drills (teach copying long numbers)")
+    p.add_argument("--split-digits", action="store_true", help="tokenizer isolates digits (\" 4\" \"8\")")
+    p.add_argument("--vocab", type=int, default=384, help="tokenizer vocabulary size")
     p.add_argument("--document-masking", action="store_true", help="position_ids restarting per document")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     a = p.parse_args()
     for k, v in build_all(a.out, a.seq_lengths, a.docs, needle_docs=a.needle_docs,
-                          needle_max_sentences=a.needle_max_sentences, document_masking=a.document_masking,
-                          hidden=a.hidden, layers=a.layers).items():
+                          needle_max_sentences=a.needle_max_sentences or None, needle_digits=tuple(a.needle_digits),
+                          drill_docs=a.drill_docs, split_digits=a.split_digits, vocab_size=a.vocab,
+                          document_masking=a.document_masking, hidden=a.hidden, layers=a.layers).items():
         print(f"{k}: {v}")
