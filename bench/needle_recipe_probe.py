@@ -5,13 +5,16 @@ Trains a tiny Llama on eval_needle's exact prompts (NeedleHaystack, the default 
 argmax over the answer = greedy decoding for exact match). No DeepSpeed, no ranks: minutes per try, so recipes
 can be compared before one goes into ``make demo``.
 
-Knobs that mattered (2026-12-03, 2 CPU cores; see the closing note of issue #19):
+Knobs that mattered (2026-12-03/04, 2 CPU cores; see the closing notes of issue #19):
 * ``--digit-tokenizer``: byte-level BPE whose numbers split as " 4" "8" "2" "1" (space-digit first, bare digits
   after). The toy tokenizer's default gives a bare " " before the digits, which occurs everywhere in the
   haystack, so the first digit cannot be found by matching the previous token.
 * ``--drill-frac``: share of rows that are "The pass key is N. Remember it. N is the pass key." with 6-16
   digit N: dense digit-copy targets, which grow the induction heads that the needle's later digits need.
 * ``--ans-weight``: loss weight of the answer tokens (train.py has no such weight; 1 = what train.py does).
+* ``--digits 2``, ``--lr 6e-3``: both answer tokens of a 2-digit needle are then read within ~1200 steps.
+  What ``make demo`` finally uses (train.py, not this probe): 2-digit needles and drills, width 128 and 4 KV heads
+  (with 2 KV heads about half the seeds learned only one of the two digits in 2000 steps).
 
 Example: ``python bench/needle_recipe_probe.py --digit-tokenizer --drill-frac 0.5 --steps 2000``
 """

@@ -69,3 +69,9 @@ def test_passkey_documents_fit_their_rows_and_grow_with_them(assets):
         assert answers >= 50 and drills >= 25, (answers, drills)
         # haystacks grow with the row length (as many sentences as fit): eval_needle asks for long ones
         assert longest > 0.7 * L, (L, longest)
+    # eval_ppl's held-out prose: whole documents longer than the longest row
+    import json
+    with open(assets["heldout"]) as f:
+        held = [json.loads(line)["text"] for line in f]
+    assert len(held) == 8 and len(set(held)) == 8
+    assert min(len(tok(t)["input_ids"]) for t in held) > 256

@@ -156,7 +156,7 @@ def _fitting_sentences(tok, max_tokens: int, digits) -> int:
 
 
 def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, needle_docs: int = 0,
-              needle_max_sentences: int | None = 16, needle_digits=(4, 10), drill_docs: int = 0,
+              needle_max_sentences: int | None = 16, needle_digits=(4, 10), drill_docs: int = 0, drill_digits=(6, 16),
               split_digits: bool = False, vocab_size: int = 384, document_masking: bool = False,
               **model_kw) -> dict:
     """Write ``out``/{model, tokenizer inside model, corpus.jsonl, data_<L>} and return their paths.
@@ -177,7 +177,7 @@ def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, ne
 
     os.makedirs(out, exist_ok=True)
     rng = random.Random(seed)
-    base = make_corpus(n_docs, seed) + (make_drill_corpus(drill_docs, seed) if drill_docs else [])
+    base = make_corpus(n_docs, seed) + (make_drill_corpus(drill_docs, seed, drill_digits) if drill_docs else [])
     tok_texts = base
     if needle_docs:
         from easy_context.haystack import filler_text
@@ -187,6 +187,13 @@ def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, ne
     tok = build_tokenizer(tok_texts, model_dir, vocab_size, split_digits=split_digits)
     build_model(model_dir, vocab_size=len(tok), seed=seed, **model_kw)
     paths = {"model": model_dir}
+    if needle_docs:  # the 8 longest of 200 fresh passkey documents with haystacks beyond the longest rows
+        held = make_needle_corpus(200, seed + 1000, _fitting_sentences(tok, max(seq_lengths) + 128, needle_digits),
+                                  needle_digits)
+        held = sorted(held, key=lambda d: -len(tok(d)["input_ids"]))[:8]
+        paths["heldout"] = os.path.join(out, "heldout.jsonl")
+        with open(paths["heldout"], "w") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in held)
     for i, L in enumerate(seq_lengths):
         needles = []
         if needle_docs:
@@ -220,15 +227,21 @@ if __name__ == "__main__":
                    help="filler sentences per passkey document; 0 = as many as fit each length's rows")
     p.add_argument("--needle-digits", type=int, nargs=2, default=[4, 10], metavar=("MIN", "MAX"),
                    help="digits of the passkey documents' numbers")
-    p.add_argument("--drill-docs", type=int, default=0, help="passkey drills (teach copying long numbers)")
+    p.add_argument("--drill-docs", type=int, default=0, help="passkey drills (teach copying numbers)")
+    p.add_argument("--drill-digits", type=int, nargs=2, default=[6, 16], metavar=("MIN", "MAX"),
+                   help="digits of the drills' numbers")
     p.add_argument("--split-digits", action="store_true", help="tokenizer isolates digits (\" 4\" \"8\")")
     p.add_argument("--vocab", type=int, default=384, help="tokenizer vocabulary size")
     p.add_argument("--document-masking", action="store_true", help="position_ids restarting per document")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="corpus, tokenizer and initial weights")
     a = p.parse_args()
-    for k, v in build_all(a.out, a.seq_lengths, a.docs, needle_docs=a.needle_docs,
+    for k, v in build_all(a.out, a.seq_lengths, a.docs, a.seed, needle_docs=a.needle_docs,
                           needle_max_sentences=a.needle_max_sentences or None, needle_digits=tuple(a.needle_digits),
-                          drill_docs=a.drill_docs, split_digits=a.split_digits, vocab_size=a.vocab,
-                          document_masking=a.document_masking, hidden=a.hidden, layers=a.layers).items():
+                          drill_docs=a.drill_docs, drill_digits=tuple(a.drill_digits), split_digits=a.split_digits,
+                          vocab_size=a.vocab, document_masking=a.document_masking, hidden=a.hidden,
+                          layers=a.layers, heads=a.heads, kv_heads=a.kv_heads).items():
         print(f"{k}: {v}")
