@@ -23,7 +23,7 @@ cpu2() { ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2
 echo "== [1/5] tiny Llama + tokenizer + packed corpus (prose, passkey drills and documents) -> $OUT/assets"
 rm -rf "$OUT/assets" "$OUT/stage1" "$OUT/stage2" "$OUT/eval"
 python -m easy_context.training.toy "$OUT/assets" --seq-lengths 256 512 --docs 400 --document-masking \
-  --needle-docs 6000 --needle-max-sentences 0 --needle-digits 2 2 --drill-docs 6000 --drill-digits 2 2 \
+  --needle-docs 6000 --needle-max-sentences 0 --needle-digits 2 2 --drill-docs 12000 --drill-digits 2 2 \
   --split-digits --vocab 768 --hidden 128 --heads 4 --kv-heads 4
 
 echo "== [2/5] stage 1: seq 256, rope theta 2e4, zigzag_ring_attn on 2 CPU processes, DeepSpeed ZeRO-3"
