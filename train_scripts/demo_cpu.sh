@@ -41,7 +41,7 @@ train --model "$OUT/stage1" --dataset "$OUT/assets/data_512" --output-dir "$OUT/
 echo "== [4/5] evals"
 EVAL=$OUT/eval
 mkdir -p "$EVAL"
-# held-out prose documents longer than 512 tokens (packed rows would cross documents, which training never does)
+# unseen passkey documents longer than 512 tokens (packed rows would cross documents, which training never does)
 cpu2 eval_ppl.py -m "$OUT/assets/tiny-llama" -m "$OUT/stage1" -m "$OUT/stage2" -d "$OUT/assets/heldout.jsonl" \
   --min-tokens 64 --max-tokens 512 --samples 8 --truncate --parallel_mode zigzag_ring_attn \
   --output-file "$EVAL/ppl.csv" || echo "warning: eval_ppl.py exited with an error (outputs so far kept)"

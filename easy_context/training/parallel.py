@@ -30,7 +30,6 @@ def make_accelerator(args):
     silently gets a world of 1)."""
     import datetime
     import os
-
     import warnings
 
     from accelerate import Accelerator

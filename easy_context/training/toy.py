@@ -31,6 +31,13 @@ def make_corpus(n_docs: int = 200, seed: int = 0) -> list[str]:
 NEEDLE_CITIES = ("Singapore", "Oslo", "Lima", "Cairo", "Madrid", "Dublin", "Seoul", "Quito", "Vienna", "Nairobi")
 
 
+def _haystack_sentences() -> list[str]:
+    """The sentences of eval_needle's default haystack, from its start (what eval_needle cuts from)."""
+    from easy_context.haystack import filler_text
+
+    return [s.strip().rstrip(".") + "." for s in filler_text().replace("\n\n", " ").split(". ")]
+
+
 def make_needle_corpus(n_docs: int = 400, seed: int = 0, max_sentences: int = 16, digits=(4, 10),
                        cities=NEEDLE_CITIES) -> list[str]:
     """Passkey documents in eval_needle.py's exact format: PREFIX, the first 0..``max_sentences`` sentences of
@@ -40,12 +47,12 @@ def make_needle_corpus(n_docs: int = 400, seed: int = 0, max_sentences: int = 16
     packed rows hold several documents without masking, so the question's city, not recency, picks the needle.
     ``digits``: an int, or a (min, max) range drawn per document (longer numbers = more copy steps to learn).
     """
-    from easy_context.haystack import NEEDLE, PREFIX, QUESTION_STR, filler_text, random_number
+    from easy_context.haystack import NEEDLE, PREFIX, QUESTION_STR, random_number
 
     rng = random.Random(seed)
     # the eval's own default haystack, from its start (what eval_needle cuts from): the model can learn the
     # prose by heart, so the remaining loss - and the gradient - is the needle number
-    sents = [s.strip().rstrip(".") + "." for s in filler_text().replace("\n\n", " ").split(". ")][:max_sentences]
+    sents = _haystack_sentences()[:max_sentences]
     docs = []
     for _ in range(n_docs):
         n = rng.randint(0, max_sentences)
@@ -140,9 +147,9 @@ def make_drill_corpus(n_docs: int = 400, seed: int = 0, digits=(6, 16)) -> list[
 
 def _fitting_sentences(tok, max_tokens: int, digits) -> int:
     """The most eval-haystack sentences a needle document may hold and still fit ``max_tokens`` tokens."""
-    from easy_context.haystack import NEEDLE, PREFIX, QUESTION_STR, filler_text
+    from easy_context.haystack import NEEDLE, PREFIX, QUESTION_STR
 
-    sents = [s.strip().rstrip(".") + "." for s in filler_text().replace("\n\n", " ").split(". ")]
+    sents = _haystack_sentences()
     widest = "9" * (digits if isinstance(digits, int) else max(digits))
     fixed = len(tok(PREFIX + NEEDLE.format(widest) + QUESTION_STR + f" {widest}.", add_special_tokens=False)
                 ["input_ids"]) + 2 + 4  # BOS/EOS of packing, a few tokens for the longest city name
