@@ -30,7 +30,7 @@ from easy_context.loss import IGNORE_INDEX, global_sum
 
 
 def parse_args(argv=None):
-    from easy_context import SEQ_ALGOS
+    from easy_context.registry import DEFAULT_MODE, mode_names
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("-m", "--model", action="append", nargs="+", required=True,
                    help="model directory or Hub id; repeat -m (or list several) for several models")
@@ -52,8 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--hide-progress", action="store_true")
     p.add_argument("--beyond-max-positions", action="store_true",
                    help="also measure lengths above the model's max_position_embeddings (default: marked n/a)")
-    p.add_argument("--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn",
-                   choices=SEQ_ALGOS, help="sequence parallelism; data_parallel splits documents over ranks")
+    p.add_argument("--parallel_mode", "--parallel-mode", dest="parallel_mode", default=DEFAULT_MODE,
+                   choices=mode_names(), help="sequence parallelism; data_parallel splits documents over ranks")
     p.add_argument("--ring_degree", type=int, default=None, help="usp_attn only: ring size")
     p.add_argument("--rope-theta", "--rope_theta", dest="rope_theta", type=float, default=None,
                    help="override the config's RoPE theta")

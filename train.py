@@ -98,12 +98,12 @@ def train(args):
     model = load_model(args.model, config, dtype)
     tokenizer = load_tokenizer(args.model)
     n_params = count_params(model)
-    if args.parallel_mode != "data_parallel":
+    if layout.mode.is_parallel:
         try:
             layout.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None))
         except ValueError as e:
             raise UsageError(str(e)) from None
-        apply_seq_parallel_monkey_patch(args.parallel_mode, model, layout=layout)
+        apply_seq_parallel_monkey_patch(model, layout)
     apply_memory_options(model, args)
     model = apply_lora(model, args)  # --lora-rank: PEFT adapters around the patched base (base frozen)
     use_ds = configure_deepspeed(accelerator, args)
@@ -113,7 +113,7 @@ def train(args):
     if not use_ds:
         accelerator.register_for_checkpointing(scheduler)
 
-    loader = make_loader(data, args.parallel_mode, layout, args.batch_size, args.seq_length, args.seed, accelerator)
+    loader = make_loader(data, layout, args.batch_size, args.seq_length, args.seed, accelerator)
 
     # 3. Resume: model, optimizer, scheduler, RNG and data position from the latest checkpoint.
     start = 0
@@ -132,7 +132,7 @@ def train(args):
     tokens_per_step = args.batch_size * GA * args.seq_length * layout.dp
     measure = StepMetrics(n_params, config, args.seq_length, accelerator.num_processes, tokens_per_step)
     log = JsonlLog(args.log_file, accelerator.is_main_process, start)
-    accelerator.print(f"{args.parallel_mode} {layout}: {n_params / 1e6:.1f}M params, {tokens_per_step} tokens/step, "
+    accelerator.print(f"{layout.mode.name} {layout}: {n_params / 1e6:.1f}M params, {tokens_per_step} tokens/step, "
                       f"{'DeepSpeed' if use_ds else 'Accelerate'}; lr {args.learning_rate:g}"
                       + (f"; LoRA rank {args.lora_rank}" if args.lora_rank else ""))
     bar = tqdm(total=args.max_train_steps, initial=start, disable=not accelerator.is_local_main_process,

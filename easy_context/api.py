@@ -1,9 +1,11 @@
-"""The EasyContext calls: sharding of inputs and of any tensor along the sequence."""
+"""The EasyContext calls: sharding of inputs and of any tensor along the sequence.
+
+``seq_algo`` is a mode name (the public string form) or a ``Mode``; the mode's own cut does the work."""
 from __future__ import annotations
 
 import torch
 
-from .registry import get_algo
+from .registry import get_mode
 
 
 def _check_world(rank: int, world_size: int) -> None:
@@ -11,20 +13,20 @@ def _check_world(rank: int, world_size: int) -> None:
         raise ValueError(f"rank must be in [0, world_size) and world_size >= 1; got rank={rank}, world_size={world_size}")
 
 
-def seq_multiple(seq_algo: str, world_size: int, **kw) -> int:
+def seq_multiple(seq_algo, world_size: int, **kw) -> int:
     """The multiple the (global) sequence length must be for ``seq_algo`` on ``world_size`` sp ranks."""
-    return get_algo(seq_algo).layout_module().seq_multiple(world_size, **kw)
+    return get_mode(seq_algo).seq_multiple(world_size, **kw)
 
 
-def layout_signature(seq_algo: str, world_size: int, **kw) -> tuple:
+def layout_signature(seq_algo, world_size: int, **kw) -> tuple:
     """How ``seq_algo`` cuts a sequence over ``world_size`` sp ranks, canonically: two (mode, degrees) with
     the same signature shard identically (zigzag over W == usp ring W x ulysses 1; usp ring 1 == contiguous)."""
-    return get_algo(seq_algo).layout_module().signature(world_size, **kw)
+    return get_mode(seq_algo).signature(world_size, **kw)
 
 
-def describe_layout(seq_algo: str, world_size: int, **kw) -> str:
+def describe_layout(seq_algo, world_size: int, **kw) -> str:
     extra = "".join(f", {k}={v}" for k, v in kw.items() if v is not None)
-    return f"{seq_algo} on {world_size} sp ranks{extra}"
+    return f"{get_mode(seq_algo).name} on {world_size} sp ranks{extra}"
 
 
 # prepare_seq_parallel_inputs marks the tensors it returns with the layout they were cut for; the patched
@@ -32,7 +34,7 @@ def describe_layout(seq_algo: str, world_size: int, **kw) -> str:
 LAYOUT_ATTR = "_easy_context_layout"
 
 
-def shard_sequence(seq_algo: str, tensor: torch.Tensor, rank: int, world_size: int, dim: int = 1, **kw):
+def shard_sequence(seq_algo, tensor: torch.Tensor, rank: int, world_size: int, dim: int = 1, **kw):
     """This rank's shard of ``tensor`` along ``dim`` in ``seq_algo``'s layout.
 
     ``positions=`` (the batch's global position ids): packed rows (a restart at 0) take the balanced k-pair
@@ -40,17 +42,17 @@ def shard_sequence(seq_algo: str, tensor: torch.Tensor, rank: int, world_size: i
     restarts, the layout is plain zigzag. Shard every tensor of a packed batch with the same ``positions=``
     (``prepare_seq_parallel_inputs`` does), since the attention rebuilds the layout from the position ids."""
     _check_world(rank, world_size)
-    return get_algo(seq_algo).layout_module().shard(tensor, rank, world_size, dim=dim, **kw)
+    return get_mode(seq_algo).shard(tensor, rank, world_size, dim=dim, **kw)
 
 
-def unshard_sequence(seq_algo: str, shards, dim: int = 1, **kw) -> torch.Tensor:
+def unshard_sequence(seq_algo, shards, dim: int = 1, **kw) -> torch.Tensor:
     """Inverse of ``shard_sequence``: all ranks' shards in rank order -> the full tensor. Pass the same
     ``positions=`` as to ``shard_sequence`` (the global positions, or the rank-order concatenation of the local
     ones: the packed test reads the same on both)."""
     shards = list(shards)
     if not shards:
         raise ValueError("unshard_sequence needs at least one shard")
-    return get_algo(seq_algo).layout_module().unshard(shards, dim=dim, **kw)
+    return get_mode(seq_algo).unshard(shards, dim=dim, **kw)
 
 
 def _packed_hint(seq_algo, world_size, position_ids, kw) -> str:
@@ -65,7 +67,7 @@ def _packed_hint(seq_algo, world_size, position_ids, kw) -> str:
             f"tokens, {PAIRS_ENV})")
 
 
-def prepare_seq_parallel_inputs(seq_algo: str, input_ids, position_ids, target_ids, rank: int,
+def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, rank: int,
                                 world_size: int, device, **kw) -> dict:
     """Shard ``(batch, seq)`` inputs for this sp rank; positions stay the true global positions.
 
@@ -74,7 +76,7 @@ def prepare_seq_parallel_inputs(seq_algo: str, input_ids, position_ids, target_i
     cut in the balanced k-pair layout under zigzag_ring_attn / usp_attn; unshard their outputs with
     ``unshard_sequence(..., positions=position_ids)``.
     """
-    algo = get_algo(seq_algo)
+    mode = get_mode(seq_algo)
     _check_world(rank, world_size)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq); got shape {tuple(input_ids.shape)}")
@@ -83,20 +85,20 @@ def prepare_seq_parallel_inputs(seq_algo: str, input_ids, position_ids, target_i
     for name, t in (("position_ids", position_ids), ("target_ids", target_ids)):
         if t is not None and t.shape[-1] != input_ids.shape[1]:
             raise ValueError(f"{name} has length {t.shape[-1]} but input_ids has {input_ids.shape[1]}")
-    mult = algo.layout_module().seq_multiple(world_size, **kw)
+    mult = mode.seq_multiple(world_size, **kw)
     if input_ids.shape[1] % mult != 0:
         n = input_ids.shape[1]
-        raise ValueError(f"{seq_algo} on {world_size} ranks needs the sequence length to be a multiple of "
+        raise ValueError(f"{mode.name} on {world_size} ranks needs the sequence length to be a multiple of "
                          f"{mult}; got {n} (use {n - n % mult or mult} or {n - n % mult + mult})"
-                         + _packed_hint(seq_algo, world_size, position_ids, kw))
+                         + _packed_hint(mode, world_size, position_ids, kw))
 
-    tag = (layout_signature(seq_algo, world_size, **kw), describe_layout(seq_algo, world_size, **kw))
+    tag = (mode.signature(world_size, **kw), describe_layout(mode, world_size, **kw))
 
     def cut(t):
         if t is None:
             return None
         # packed rows (restarts at 0): the balanced k-pair layout, decided from the positions as the attention does
-        local = shard_sequence(seq_algo, t, rank, world_size, dim=-1, positions=position_ids, **kw).to(device)
+        local = shard_sequence(mode, t, rank, world_size, dim=-1, positions=position_ids, **kw).to(device)
         if local is t:  # never tag the caller's own tensor (data_parallel / one rank return it as is)
             local = local.view_as(local)
         setattr(local, LAYOUT_ATTR, tag)

@@ -66,35 +66,41 @@ class ShardedLoader:
         self.epoch, self.position = self.epoch + 1, 0
 
 
-def _dp_coords(seq_algo: str, layout) -> tuple[int, int]:
+def _dp_coords(mode, layout) -> tuple[int, int]:
     if layout is not None:
-        if layout.seq_algo != seq_algo:
-            raise ValueError(f"prepare_dataloader({seq_algo!r}) got a layout built for {layout.seq_algo!r}")
+        if layout.mode.name != mode.name:
+            raise ValueError(f"prepare_dataloader({mode.name!r}) got a layout built for {layout.seq_algo!r}")
         return layout.dp, layout.dp_rank
     import torch.distributed as dist
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    # without a layout: data_parallel = dp over the world; sp modes = one sp group over the world (dp 1)
-    return (world, rank) if seq_algo == "data_parallel" else (1, 0)
+    # without a layout: no sequence parallelism = dp over the world; sp modes = one sp group over the world (dp 1)
+    return (world, rank) if not mode.is_parallel else (1, 0)
 
 
-def prepare_dataloader(seq_algo: str, dataloader: DataLoader, accelerator=None, layout=None, *, seed: int = 0):
+def prepare_dataloader(seq_algo, dataloader: DataLoader, accelerator=None, layout=None, *, seed: int = 0):
     """This rank's loader: samples sharded over the dp ranks of ``layout`` (None: dp = world for
     ``data_parallel``, dp = 1 for sp modes); identical batches on the ranks of one sp group.
+
+        prepare_dataloader(dataloader, layout)                   # the layout carries the mode and the dp split
+        prepare_dataloader("zigzag_ring_attn", dataloader, accelerator, layout=None)   # string form
 
     Keeps ``batch_size``, ``collate_fn``, ``drop_last``, ``num_workers`` and shuffling (a RandomSampler
     becomes a seeded per-epoch shuffle). ``data_parallel`` with an ``accelerator`` and no layout goes through
     ``accelerator.prepare`` as before; otherwise batches are moved to ``accelerator.device`` when given.
     """
-    from .registry import get_algo
-    get_algo(seq_algo)
-    if seq_algo == "data_parallel" and accelerator is not None and layout is None:
+    from .parallel_layout import ParallelLayout
+    from .registry import get_mode
+    if isinstance(dataloader, ParallelLayout):  # the (dataloader, layout[, accelerator]) order
+        seq_algo, dataloader, layout, accelerator = dataloader.mode, seq_algo, dataloader, accelerator
+    mode = get_mode(seq_algo)
+    if not mode.is_parallel and accelerator is not None and layout is None:
         return accelerator.prepare(dataloader)
     if isinstance(dataloader.dataset, IterableDataset):
         raise ValueError("prepare_dataloader needs a map-style dataset (len and indexing) to shard it over "
                          "data-parallel ranks; convert the IterableDataset (e.g. datasets.Dataset, not streaming)")
     if dataloader.batch_size is None:
         raise ValueError("prepare_dataloader needs a DataLoader built with batch_size= (not a custom batch_sampler)")
-    dp, dp_rank = _dp_coords(seq_algo, layout)
+    dp, dp_rank = _dp_coords(mode, layout)
     return ShardedLoader(dataloader.dataset, dataloader.batch_size, dataloader.collate_fn, dp, dp_rank,
                          shuffle=isinstance(dataloader.sampler, RandomSampler), seed=seed,
                          drop_last=dataloader.drop_last, num_workers=dataloader.num_workers,

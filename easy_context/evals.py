@@ -16,7 +16,7 @@ SEED = 24242424  # EasyContext's seed
 
 def add_common_args(p, default_max_new_tokens_help: str):
     """Flags both evals take with the same meaning (eval_needle's names, kept for its users)."""
-    from easy_context import SEQ_ALGOS
+    from easy_context.registry import DEFAULT_MODE, mode_names
     p.add_argument("--model", default="PY007/Llama2-7B-64K", help="local model directory (save_pretrained) or Hub id")
     p.add_argument("--max_context_length", type=int, default=100000, help="largest length (tokens)")
     p.add_argument("--min_context_length", type=int, default=1000, help="smallest length (tokens)")
@@ -25,7 +25,7 @@ def add_common_args(p, default_max_new_tokens_help: str):
     p.add_argument("--rope_theta", "--rope-theta", dest="rope_theta", type=float, default=None,
                    help="override the config's RoPE theta")
     p.add_argument("--haystack_dir", default=None, help="folder of *.txt (sorted); default: generated filler")
-    p.add_argument("--parallel_mode", default="zigzag_ring_attn", choices=SEQ_ALGOS,
+    p.add_argument("--parallel_mode", default=DEFAULT_MODE, choices=mode_names(),
                    help="sequence parallelism over the launched ranks; data_parallel splits prompts instead")
     p.add_argument("--ring_degree", type=int, default=None, help="usp_attn only: ring size (ring x ulysses = world)")
     p.add_argument("--max_new_tokens", type=int, default=None, help=default_max_new_tokens_help)

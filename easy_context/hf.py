@@ -27,7 +27,8 @@ import transformers
 
 from .families import FAMILIES as _FAMILY_TABLE
 from .families import family_of_model_type
-from .registry import SEQ_ALGOS, get_algo
+from .mode import Mode
+from .registry import SEQ_ALGOS, get_mode, modes_taking
 
 FAMILIES = tuple(_FAMILY_TABLE)  # family strings (one record each in families.py)
 _ATTN_CLASS = {name: f.attention for name, f in _FAMILY_TABLE.items()}
@@ -73,36 +74,22 @@ class _Groups:
     """The attention's process groups: bound now, or (``ring_degree=`` before the process group exists)
     built by ``ParallelLayout`` at the first call, which every rank makes in step (new_group is collective)."""
 
-    def __init__(self, seq_algo, groups: dict | None, ring_degree: int | None = None):
-        self.seq_algo, self._groups, self.ring_degree = seq_algo, groups, ring_degree
+    def __init__(self, mode: Mode, groups: dict | None, ring_degree: int | None = None):
+        self.mode, self._groups, self.ring_degree = mode, groups, ring_degree
 
     def get(self) -> dict:
         if self._groups is None:
             from .parallel_layout import ParallelLayout
-            self._groups = ParallelLayout.build(self.seq_algo, ring_degree=self.ring_degree).attn_groups()
+            self._groups = ParallelLayout.build(self.mode, ring_degree=self.ring_degree).attn_groups()
         return self._groups
 
 
-def _own_signature(seq_algo, groups: dict) -> tuple:
-    """The layout attention will assume, from the sizes of its groups (None = the world)."""
-    from .api import layout_signature
-    import torch.distributed as dist
-    live = dist.is_available() and dist.is_initialized()
-    size = (lambda g: dist.get_world_size(g) if live else 1)
-    if seq_algo == "usp_attn":
-        from .usp.attention import resolve_groups  # usp's own reading of None groups
-        _, r, u, _ = resolve_groups(groups.get("ring_group"), groups.get("ulysses_group")) if live else (0, 1, 1, 0)
-        return layout_signature(seq_algo, r * u, ring_degree=r), f"{seq_algo} with ring {r} x ulysses {u}"
-    w = size(groups.get("group")) if get_algo(seq_algo).group_kwargs else 1
-    return layout_signature(seq_algo, w), f"{seq_algo} on {w} sp ranks"
-
-
-def _check_layout(seq_algo, bound: _Groups, state: dict, position_ids) -> None:
+def _check_layout(mode: Mode, bound: _Groups, state: dict, position_ids) -> None:
     tag = getattr(position_ids, "_easy_context_layout", None)
     if tag is None:
         return
-    if "own" not in state:
-        state["own"] = _own_signature(seq_algo, bound.get())
+    if "own" not in state:  # the cut attention will assume, from the sizes of its groups (None = the world)
+        state["own"] = mode.own_signature(bound.get())
     own, own_desc = state["own"]
     if tag[0] != own:
         raise ValueError(
@@ -120,7 +107,7 @@ def _one_document(state, batch: int, length: int):
     return hit
 
 
-def _documents(seq_algo, groups, state, position_ids):
+def _documents(mode: Mode, groups, state, position_ids):
     """Packed documents from the position ids (restarts at 0), one all-gather per forward: every layer of
     the forward gets the same position tensor, so the result is cached on it (weakly, with its version)."""
     if position_ids is None:
@@ -132,11 +119,11 @@ def _documents(seq_algo, groups, state, position_ids):
     hit = state.get("docs")
     if hit is not None and hit[0]() is position_ids and hit[1] == version:
         return hit[2]
-    global_pos = packing.gather_positions(seq_algo, position_ids, groups)
+    global_pos = packing.gather_positions(mode, position_ids, groups)
     try:
         docs = packing.documents(global_pos)
     except packing.PackedPositionsError as e:
-        if seq_algo in ("zigzag_ring_attn", "usp_attn") and packing.packed_rows(global_pos):
+        if mode.packed_pairs and packing.packed_rows(global_pos):
             raise packing.PackedPositionsError(
                 f"{e}. (Packed rows are sharded in the balanced k-pair zigzag layout, decided from the position "
                 "ids: cut every tensor with prepare_seq_parallel_inputs, or shard_sequence(..., positions="
@@ -147,22 +134,23 @@ def _documents(seq_algo, groups, state, position_ids):
     return docs
 
 
-def make_attention_fn(seq_algo: str, ring_degree: int | None = None, **groups):
-    """An AttentionInterface function running ``seq_algo`` with the bound process groups
+def make_attention_fn(mode, ring_degree: int | None = None, **groups):
+    """An AttentionInterface function running ``mode`` (a Mode or name) with the bound process groups
     (``ring_degree=``: usp_attn's groups built from the world on first use)."""
-    algo = get_algo(seq_algo)
-    fn = algo.attention_fn()
-    bad = set(groups) - set(algo.group_kwargs)
+    mode = get_mode(mode)
+    seq_algo = mode.name  # for messages
+    fn = mode.attention_fn()
+    bad = set(groups) - set(mode.group_kwargs)
     if bad:
-        raise ValueError(f"{seq_algo} takes process groups {algo.group_kwargs}, got {sorted(bad)}")
-    bound = _Groups(seq_algo, None if ring_degree is not None else groups, ring_degree)
+        raise ValueError(f"{seq_algo} takes process groups {mode.group_kwargs}, got {sorted(bad)}")
+    bound = _Groups(mode, None if ring_degree is not None else groups, ring_degree)
     state: dict = {}
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                   sliding_window=None, **kwargs):
         # query (B, Hq, S, D), key/value (B, Hkv, S, D): kv heads are not repeated (GQA stays on the wire).
         groups = bound.get()
-        _check_layout(seq_algo, bound, state, kwargs.get("position_ids"))
+        _check_layout(mode, bound, state, kwargs.get("position_ids"))
         if kwargs.get("softcap") is not None:  # Gemma 2's attn_logit_softcapping: no ring kernel applies it
             raise ValueError(f"{seq_algo}: attention logit soft-capping (config.attn_logit_softcapping="
                              f"{kwargs['softcap']}) is not supported by the sequence-parallel kernels; setting it "
@@ -170,8 +158,8 @@ def make_attention_fn(seq_algo: str, ring_degree: int | None = None, **groups):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError(f"{seq_algo}: a KV cache is not supported inside sequence-parallel attention; "
                              "call the model with use_cache=False")
-        docs = _documents(seq_algo, groups, state, kwargs.get("position_ids"))
-        length = query.shape[2] * _sp_size(algo, groups)
+        docs = _documents(mode, groups, state, kwargs.get("position_ids"))
+        length = query.shape[2] * _sp_size(mode, groups)
         if sliding_window is not None and sliding_window < length:  # a local layer: same blocks, windowed
             docs = _one_document(state, query.shape[0], length) if docs is None else docs
             docs = docs.with_window(sliding_window)
@@ -180,16 +168,16 @@ def make_attention_fn(seq_algo: str, ring_degree: int | None = None, **groups):
                  softmax_scale=scaling, causal=True, **groups, **extra)
         return out, None
 
-    attention.seq_algo = seq_algo
+    attention.mode, attention.seq_algo = mode, seq_algo
     return attention
 
 
-def _sp_size(algo, groups) -> int:
+def _sp_size(mode: Mode, groups) -> int:
     """Ranks one sequence is spread over: the product of the bound groups (None alone = the world)."""
     import torch.distributed as dist
     if not dist.is_initialized():
         return 1
-    given = [groups.get(name) for name in algo.group_kwargs]
+    given = [groups.get(name) for name in mode.group_kwargs]
     if all(g is None for g in given):
         return dist.get_world_size()
     size = 1
@@ -210,14 +198,14 @@ def _no_mask(mask_fn):
     return build
 
 
-def _groups_from(seq_algo, layout, group, ring_group, ulysses_group, ring_degree) -> dict:
+def _groups_from(mode: Mode, layout, group, ring_group, ulysses_group, ring_degree) -> dict:
     """The attention function's kwargs: bound groups, or ``ring_degree`` for groups built on first use."""
-    algo = get_algo(seq_algo)
     given = {"group": group, "ring_group": ring_group, "ulysses_group": ulysses_group}
     explicit = [k for k, g in given.items() if g is not None]
     if ring_degree is not None:
-        if seq_algo != "usp_attn":
-            raise ValueError(f"ring_degree applies to usp_attn only (got {seq_algo!r} with ring_degree={ring_degree})")
+        if "ring_degree" not in mode.degree_kwargs:
+            raise ValueError(f"ring_degree applies to {' / '.join(modes_taking('ring_degree'))} only "
+                             f"(got {mode.name!r} with ring_degree={ring_degree})")
         if isinstance(ring_degree, bool) or not isinstance(ring_degree, int) or ring_degree < 1:
             raise ValueError(f"ring_degree must be a positive int; got {ring_degree!r}")
         if layout is not None and layout.ring != ring_degree:
@@ -228,40 +216,50 @@ def _groups_from(seq_algo, layout, group, ring_group, ulysses_group, ring_degree
     if layout is not None:
         if explicit:
             raise ValueError(f"pass either layout= or explicit process groups ({', '.join(explicit)}), not both")
-        return layout.attn_groups(seq_algo)
+        return layout.attn_groups(mode)
     if ring_degree is not None:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             from .parallel_layout import ParallelLayout
-            return ParallelLayout.build(seq_algo, ring_degree=ring_degree).attn_groups()
+            return ParallelLayout.build(mode, ring_degree=ring_degree).attn_groups()
         return {"ring_degree": ring_degree}  # no process group yet: built at the first attention call
-    return {k: given[k] for k in algo.group_kwargs}
+    return {k: given[k] for k in mode.group_kwargs}
 
 
-def apply_seq_parallel_monkey_patch(seq_algo: str, model, ring_degree: int | None = None, layout=None, *,
+def apply_seq_parallel_monkey_patch(seq_algo, model, ring_degree: int | None = None, layout=None, *,
                                     group=None, ring_group=None, ulysses_group=None):
-    """Route attention of ``model`` (a family string or a PreTrainedModel) through ``seq_algo``.
+    """Route attention of ``model`` (a family string or a PreTrainedModel) through a mode.
+
+        apply_seq_parallel_monkey_patch(model, layout)          # a ParallelLayout: mode, degrees and groups
+        apply_seq_parallel_monkey_patch("zigzag_ring_attn", model, ring_degree=None, layout=None)  # string form
 
     Groups default to the world group. ``usp_attn``: pass the same ``ring_degree=`` as to
     ``prepare_seq_parallel_inputs`` (or a ``ParallelLayout``, or ``ring_group``/``ulysses_group``); inputs
     sharded for another layout raise at the first attention call. Returns the model (instance case) or None.
     """
-    get_algo(seq_algo)  # validates the name
-    groups = _groups_from(seq_algo, layout, group, ring_group, ulysses_group, ring_degree)
+    from .parallel_layout import ParallelLayout
+    if isinstance(model, (ParallelLayout, Mode)):  # the (model, layout) order
+        seq_algo, model = model, seq_algo
+    if isinstance(seq_algo, ParallelLayout):
+        if layout is not None and layout is not seq_algo:
+            raise ValueError("pass one ParallelLayout, not two")
+        layout = seq_algo
+    mode = layout.mode if isinstance(seq_algo, ParallelLayout) else get_mode(seq_algo)  # validates a name
+    groups = _groups_from(mode, layout, group, ring_group, ulysses_group, ring_degree)
     if isinstance(model, str):
         family = model.lower()
         if family not in FAMILIES:
             raise ValueError(f"unknown model family {model!r}; valid families: {', '.join(FAMILIES)} "
                              "(or pass a transformers PreTrainedModel instance)")
-        _patch_family(seq_algo, family, groups)
+        _patch_family(mode, family, groups)
         return None
     if isinstance(model, transformers.PreTrainedModel):
-        return _patch_instance(seq_algo, model, groups)
+        return _patch_instance(mode, model, groups)
     raise ValueError(f"model must be a family string ({', '.join(FAMILIES)}) or a transformers "
                      f"PreTrainedModel; got {type(model).__name__}")
 
 
-def _patch_family(seq_algo, family, groups):
+def _patch_family(mode: Mode, family, groups):
     check_transformers_compat(family)
     mod = _family_module(family)
     from transformers.modeling_utils import AttentionInterface
@@ -272,12 +270,12 @@ def _patch_family(seq_algo, family, groups):
         mod._easy_context_original_masks = {n: getattr(mod, n) for n in
                                             ("create_causal_mask", "create_sliding_window_causal_mask")
                                             if hasattr(mod, n)}
-    if seq_algo == "data_parallel":
+    if not mode.is_parallel:  # plain attention back
         mod.ALL_ATTENTION_FUNCTIONS = base
         for n, f in mod._easy_context_original_masks.items():
             setattr(mod, n, f)
         return
-    fn = make_attention_fn(seq_algo, **groups)
+    fn = make_attention_fn(mode, **groups)
 
     class _FamilyInterface(AttentionInterface):
         def get_interface(self, attn_implementation, default):
@@ -288,7 +286,7 @@ def _patch_family(seq_algo, family, groups):
         setattr(mod, n, _no_mask(f))
 
 
-def _patch_instance(seq_algo, model, groups):
+def _patch_instance(mode: Mode, model, groups):
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
@@ -296,16 +294,16 @@ def _patch_instance(seq_algo, model, groups):
     family = family_of_model_type(family)
     if family in FAMILIES:
         check_transformers_compat(family)
-    if seq_algo == "data_parallel":
+    if not mode.is_parallel:  # plain attention back
         prev = getattr(model, "_easy_context_prev_attn", None)
         if prev is not None:
             model.set_attn_implementation(prev)
         return model
     # one name per model instance: two models may be bound to different groups
     # transformers treats any implementation name containing "flash" as flash-attn (and tries to load
-    # it), so "dist_flash_attn" is registered as "easy_context_dist_fa_attn_<id>"
-    name = f"easy_context_{seq_algo.replace('flash', 'fa')}_{id(model):x}"
-    AttentionInterface.register(name, make_attention_fn(seq_algo, **groups))
+    # it), so a mode named "..._flash_..." is registered as "easy_context_..._fa_..._<id>"
+    name = f"easy_context_{mode.name.replace('flash', 'fa')}_{id(model):x}"
+    AttentionInterface.register(name, make_attention_fn(mode, **groups))
 
     def mask_fn(*args, **kwargs):
         _check_mask(kwargs.get("attention_mask"))

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from . import kernels
 from .api import seq_multiple, shard_sequence
 from .loss import IGNORE_INDEX, chunked_nll_sum, global_sum
-from .registry import get_algo
+from .registry import DEFAULT_MODE, get_mode
 
 
 
@@ -155,8 +155,9 @@ class SeqParallelLM:
     """A causal LM run sequence-parallel for evaluation (see the module docstring).
 
     ``layout``: a ``ParallelLayout`` whose sp group is the world (default: built from ``seq_algo`` and
-    ``ring_degree``): the one carrier of mode, degrees and groups. ``groups``: explicit process-group kwargs
-    instead (``sp_group_kwargs``; the sp group is then the world or the mode's ``group``).
+    ``ring_degree``): the one carrier of mode, degrees and groups; ``SeqParallelLM(model, layout)`` passes it in
+    ``seq_algo``'s place. ``groups``: explicit process-group kwargs instead (``sp_group_kwargs``; the sp group is
+    then the world or the mode's ``group``).
     """
 
     def __init__(self, model, seq_algo: str | None = None, groups: dict | None = None,
@@ -167,32 +168,35 @@ class SeqParallelLM:
         from .hf import _check_mask, make_attention_fn
         from .parallel_layout import ParallelLayout
 
+        if isinstance(seq_algo, ParallelLayout):  # SeqParallelLM(model, layout)
+            if layout is not None and layout is not seq_algo:
+                raise ValueError("SeqParallelLM: pass one ParallelLayout, not two")
+            seq_algo, layout = None, seq_algo
         if layout is not None and (groups is not None or ring_degree is not None
-                                   or seq_algo not in (None, layout.seq_algo)):
+                                   or seq_algo not in (None, layout.seq_algo, layout.mode)):
             raise ValueError(f"SeqParallelLM: pass either layout= (here {layout.seq_algo} {layout}) or "
                              f"seq_algo/groups/ring_degree, not both (got seq_algo={seq_algo!r}, "
                              f"ring_degree={ring_degree})")
-        seq_algo = layout.seq_algo if layout is not None else (seq_algo or "zigzag_ring_attn")
-        algo = get_algo(seq_algo)
-        self.model, self.seq_algo, self.chunk_tokens = model, seq_algo, chunk_tokens
+        mode = layout.mode if layout is not None else get_mode(seq_algo or DEFAULT_MODE)
+        self.model, self.mode, self.chunk_tokens = model, mode, chunk_tokens
         if groups is None:
-            layout = layout or ParallelLayout.build(seq_algo, ring_degree=ring_degree)
-            if layout.dp > 1 and algo.attention is not None:
+            layout = layout or ParallelLayout.build(mode, ring_degree=ring_degree)
+            if layout.dp > 1 and mode.is_parallel:
                 raise ValueError(f"SeqParallelLM runs one sequence over the world; {layout} has dp > 1")
             groups = layout.attn_groups()
         self.layout = layout
         self.groups = dict(groups)
         self.group = self.groups.get("group")       # the sp group for our own collectives (None = world)
-        if algo.attention is None or not dist.is_initialized():
+        if not mode.is_parallel or not dist.is_initialized():
             self.world, self.rank = 1, 0
         elif "group" in self.groups:
             self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         else:  # usp: ring x ulysses spans the world
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.layout_kw = layout.layout_kw if layout is not None else algo.layout_kw(ring_degree=ring_degree)
+        self.layout_kw = layout.layout_kw if layout is not None else mode.layout_kw(ring_degree=ring_degree)
         self.device = next(model.parameters()).device
         self.state = _State()
-        self._sp_attn = make_attention_fn(seq_algo, **self.groups) if self.world > 1 else None
+        self._sp_attn = make_attention_fn(mode, **self.groups) if self.world > 1 else None
         state, engine = self.state, self
 
         def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -227,6 +231,11 @@ class SeqParallelLM:
         self._prev_attn = model.config._attn_implementation
         model.set_attn_implementation(name)
 
+    @property
+    def seq_algo(self) -> str:
+        """The mode's name (the string form)."""
+        return self.mode.name
+
     def close(self):
         """Give the model its previous attention implementation back."""
         self.model.set_attn_implementation(self._prev_attn)
@@ -234,17 +243,17 @@ class SeqParallelLM:
     # -- helpers ----------------------------------------------------------------------------------
     def _shard(self, full: torch.Tensor, pad_value: int):
         """Pad ``(B, S)`` at the end to the mode's multiple and take this rank's shard."""
-        mult = seq_multiple(self.seq_algo, self.world, **self.layout_kw) if self.world > 1 else 1
+        mult = seq_multiple(self.mode, self.world, **self.layout_kw) if self.world > 1 else 1
         pad = (-full.shape[1]) % mult
         if pad:
             full = F.pad(full, (0, pad), value=pad_value)
         if self.world == 1:
             return full
-        return shard_sequence(self.seq_algo, full, self.rank, self.world, dim=1, **self.layout_kw)
+        return shard_sequence(self.mode, full, self.rank, self.world, dim=1, **self.layout_kw)
 
     def _local_positions(self, n: int, batch: int) -> torch.Tensor:
         """Global positions of this rank's shard of the padded ``(B, n)`` sequence: ``(B, S_local)``."""
-        mult = seq_multiple(self.seq_algo, self.world, **self.layout_kw) if self.world > 1 else 1
+        mult = seq_multiple(self.mode, self.world, **self.layout_kw) if self.world > 1 else 1
         m = n + (-n) % mult  # padding sits at the end, so it never changes a real token's result
         return self._shard(torch.arange(m, device=self.device).unsqueeze(0).expand(batch, m), pad_value=0)
 

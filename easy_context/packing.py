@@ -214,7 +214,7 @@ def _windowed(qo, qg, n, ko, kg, m, causal, w):
     return out
 
 
-def gather_positions(seq_algo: str, local: torch.Tensor, groups: dict) -> torch.Tensor:
+def gather_positions(seq_algo, local: torch.Tensor, groups: dict) -> torch.Tensor:
     """The global (B, L) positions of the sequence this sp group shares, from every rank's local ones.
 
     Packed rows are laid out in the k-pair form of zigzag under zigzag_ring_attn / usp_attn; which one is decided
@@ -222,8 +222,7 @@ def gather_positions(seq_algo: str, local: torch.Tensor, groups: dict) -> torch.
     positions the inputs were sharded with), so every rank undoes the layout ``prepare_seq_parallel_inputs`` made."""
     import torch.distributed as dist
 
-    from .api import unshard_sequence
-    from .registry import get_algo
+    from .registry import get_mode
 
     def gather(t, group):
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -232,14 +231,7 @@ def gather_positions(seq_algo: str, local: torch.Tensor, groups: dict) -> torch.
 
     if not (dist.is_available() and dist.is_initialized()):
         return local
-    own = getattr(get_algo(seq_algo).layout_module(), "gather_positions", None)
-    if own is not None:  # a layout over several groups (usp) undoes its own cut
-        return own(local, groups, gather)
-    group = groups.get("group")
-    if dist.get_world_size(group) == 1:
-        return local
-    parts = gather(local, group)
-    return unshard_sequence(seq_algo, parts, dim=1, positions=torch.cat(parts, dim=1))
+    return get_mode(seq_algo).gather_positions(local, groups, gather)  # the mode undoes its own cut
 
 
 def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> torch.Tensor:

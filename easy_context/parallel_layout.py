@@ -1,6 +1,6 @@
 """ParallelLayout: the one object that owns how ranks split into data and sequence parallelism.
 
-    world = dp x sp,   sp = ring x ulysses (usp_attn; other sp modes: ring = sp or ulysses = sp)
+    world = dp x sp,   sp = ring x ulysses (the mode's split: usp_attn both; ring modes ring = sp; ulysses = sp)
     rank  = dp_rank * sp + sp_rank          (sp ranks consecutive: the sp collectives stay in a node)
     sp_rank = ring_rank * ulysses + ulysses_rank                       (usp/layout.py's order)
 
@@ -10,7 +10,7 @@ Modelled on torchtitan's ``ParallelDims`` (validation printing the whole equatio
 ``ProcessGroupManager`` (compact ``__str__``).
 
     layout = ParallelLayout.build("usp_attn", sp_size=4, ring_degree=2)   # 8 ranks: DP(2)-SP(4: R2xU2)
-    apply_seq_parallel_monkey_patch("usp_attn", model, layout=layout)
+    apply_seq_parallel_monkey_patch(model, layout)   # the layout carries the mode, its degrees and groups
     batch = layout.shard(input_ids)   # this rank's piece in the mode's layout
 """
 from __future__ import annotations
@@ -19,57 +19,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .registry import get_algo
+from .mode import Mode, common_degrees
+from .registry import get_mode
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def plan_degrees(seq_algo: str, world_size: int, sp_size: int | None = None, ring_degree: int | None = None,
+def plan_degrees(seq_algo, world_size: int, sp_size: int | None = None, ring_degree: int | None = None,
                  dp_size: int | None = None) -> tuple[int, int, int, int]:
-    """Pure validation: returns (dp, sp, ring, ulysses) or raises ValueError with the fix."""
-    get_algo(seq_algo)
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
-    if seq_algo == "data_parallel":
-        if sp_size not in (None, 1) or ring_degree not in (None, 1):
-            raise ValueError(f"data_parallel has no sequence parallelism (got sp_size={sp_size}, "
-                             f"ring_degree={ring_degree}); drop them or pick a sequence-parallel mode")
-        sp = 1
-    else:
-        sp = sp_size
-        if sp is None:  # default: one sp group over the world, or what is left after dp_size
-            if dp_size is not None and (dp_size < 1 or world_size % dp_size != 0):
-                raise ValueError(f"dp_size ({dp_size}) must divide world_size {world_size} (dp x sp = world_size); "
-                                 f"valid dp sizes: {_divisors(world_size)}")
-            sp = world_size if dp_size is None else world_size // dp_size
-        if sp < 1 or world_size % sp != 0:
-            raise ValueError(
-                f"dp x sp = world_size has no whole dp for sp({sp}): world_size {world_size} / {sp} = "
-                f"{world_size / sp if sp else float('inf'):.3g}; sp_size must divide {world_size}, "
-                f"valid sp sizes: {_divisors(world_size)}")
-    dp = world_size // sp if dp_size is None else dp_size
-    if dp * sp != world_size:
-        raise ValueError(f"dp({dp}) x sp({sp}) = {dp * sp} != world_size {world_size}; "
-                         f"choose dp = world_size / sp = {world_size / sp:g} or another sp in {_divisors(world_size)}")
-    if seq_algo == "usp_attn":
-        ring = sp if ring_degree is None else int(ring_degree)
-        if ring < 1 or sp % ring != 0:
-            raise ValueError(f"usp_attn needs ring x ulysses = sp({sp}), so ring_degree ({ring_degree}) must "
-                             f"divide {sp}; valid ring degrees: {_divisors(sp)}")
-        return dp, sp, ring, sp // ring
-    if ring_degree not in (None, 1) and seq_algo != "data_parallel":
-        raise ValueError(f"ring_degree={ring_degree} only applies to usp_attn (ring x ulysses); "
-                         f"drop it for {seq_algo} or use usp_attn")
-    if seq_algo == "ulysses_attn":
-        return dp, sp, 1, sp
-    return dp, sp, sp, 1  # ring-style modes (zigzag_ring_attn, dist_flash_attn) and data_parallel
+    """Pure validation: returns (dp, sp, ring, ulysses) or raises ValueError with the fix (the mode's split)."""
+    return common_degrees(get_mode(seq_algo), world_size, sp_size, ring_degree, dp_size)
 
 
 @dataclass
 class ParallelLayout:
-    seq_algo: str
+    mode: Mode  # a mode name is accepted and resolved here (the one place that turns names into modes)
     world_size: int
     rank: int
     dp: int
@@ -82,12 +44,21 @@ class ParallelLayout:
     ulysses_group: object = None
     _all_groups: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        self.mode = get_mode(self.mode)
+
+    @property
+    def seq_algo(self) -> str:
+        """The mode's name (the public string form)."""
+        return self.mode.name
+
     # ------------------------------------------------------------------ construction
     @classmethod
-    def build(cls, seq_algo: str, sp_size: int | None = None, ring_degree: int | None = None,
+    def build(cls, mode, sp_size: int | None = None, ring_degree: int | None = None,
               world_size: int | None = None, *, dp_size: int | None = None, rank: int | None = None):
         """Validate the degrees and create every process group once (collective over the world).
 
+        ``mode``: a ``Mode`` or a mode name.
         sp_size: ranks sharing one sequence (default: the world). ring_degree: usp_attn's ring size
         (default: sp, i.e. no Ulysses split, as ``prepare_seq_parallel_inputs`` does). world_size/rank
         default to the process group's; without an initialised process group nothing is created (the
@@ -104,8 +75,9 @@ class ParallelLayout:
             rank = dist.get_rank() if live else 0
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-        dp, sp, ring, uly = plan_degrees(seq_algo, world_size, sp_size, ring_degree, dp_size)
-        layout = cls(seq_algo, world_size, rank, dp, sp, ring, uly)
+        mode = get_mode(mode)
+        dp, sp, ring, uly = common_degrees(mode, world_size, sp_size, ring_degree, dp_size)
+        layout = cls(mode, world_size, rank, dp, sp, ring, uly)
         if live and world_size > 1:
             layout._make_groups()
         return layout
@@ -124,8 +96,9 @@ class ParallelLayout:
         import torch.distributed as dist
         made: dict[tuple[int, ...], object] = {}
         mine = {}
+        kinds = self.mode.group_kinds()
         for kind, sets in self._rank_sets().items():
-            if kind in ("ulysses", "ring") and self.seq_algo != "usp_attn":
+            if kind not in kinds:
                 continue
             for ranks in sets:
                 key = tuple(ranks)
@@ -156,14 +129,14 @@ class ParallelLayout:
 
     @property
     def layout_kw(self) -> dict:
-        """Extra kwargs of the mode's layout (``ring_degree`` for usp_attn)."""
-        return get_algo(self.seq_algo).layout_kw(ring_degree=self.ring)
+        """Extra kwargs of the mode's cut besides the sp size (``ring_degree`` for usp_attn)."""
+        return self.mode.layout_kw(ring_degree=self.ring)
 
     @property
     def seq_multiple(self) -> int:
         """The global sequence length must be a multiple of this: zigzag cuts 2*ring equal chunks, the
         contiguous/Ulysses split needs sp equal pieces (usp: 2 * ring * ulysses)."""
-        return get_algo(self.seq_algo).layout_module().seq_multiple(self.sp, **self.layout_kw)
+        return self.mode.seq_multiple(self.sp, **self.layout_kw)
 
     def check_seq_len(self, length: int) -> None:
         m = self.seq_multiple
@@ -174,39 +147,33 @@ class ParallelLayout:
 
     def check_heads(self, num_q_heads: int, num_kv_heads: int | None = None) -> None:
         """Fail before any collective if the model's heads do not split over the Ulysses degree."""
-        if self.ulysses == 1:
-            return
-        from .ulysses_attn.attention import kv_replication
-        kv_replication(num_q_heads, num_kv_heads or num_q_heads, self.ulysses,
-                       what=f"{self.seq_algo} ({self})")
+        self.mode.check_heads(num_q_heads, num_kv_heads or num_q_heads, self.ulysses, what=f"{self.seq_algo} ({self})")
 
     # ------------------------------------------------------------------ use
-    def attn_groups(self, seq_algo: str | None = None) -> dict:
-        """Process-group kwargs of the attention function (what apply_seq_parallel_monkey_patch binds)."""
-        seq_algo = seq_algo or self.seq_algo
-        algo = get_algo(seq_algo)
-        if seq_algo != self.seq_algo and algo.group_kwargs:
-            raise ValueError(f"this layout was built for {self.seq_algo}, not {seq_algo}; "
-                             f"build one with ParallelLayout.build({seq_algo!r}, ...)")
-        if seq_algo == "usp_attn":
-            return {"ring_group": self.ring_group, "ulysses_group": self.ulysses_group}
-        return {"group": self.sp_group} if algo.group_kwargs else {}
+    def attn_groups(self, mode=None) -> dict:
+        """Process-group kwargs of the attention function (what apply_seq_parallel_monkey_patch binds).
+        ``mode`` (a Mode or name) other than the layout's own: only a mode without groups (data_parallel)."""
+        mode = self.mode if mode is None else get_mode(mode)
+        if mode.name != self.mode.name and mode.group_kwargs:
+            raise ValueError(f"this layout was built for {self.seq_algo}, not {mode.name}; "
+                             f"build one with ParallelLayout.build({mode.name!r}, ...)")
+        return mode.attn_groups(self)
 
     def shard(self, tensor: torch.Tensor, dim: int = 1, positions: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's shard of ``tensor`` along ``dim`` (the sp split; dp ranks hold other samples).
         ``positions``: the batch's global position ids (packed rows take the balanced k-pair layout)."""
         from .api import shard_sequence
-        return shard_sequence(self.seq_algo, tensor, self.sp_rank, self.sp, dim=dim, positions=positions,
+        return shard_sequence(self.mode, tensor, self.sp_rank, self.sp, dim=dim, positions=positions,
                               **self.layout_kw)
 
     def prepare_inputs(self, input_ids, position_ids, target_ids, device) -> dict:
         """``prepare_seq_parallel_inputs`` with this layout's sp rank, size and degrees."""
         from .api import prepare_seq_parallel_inputs
-        return prepare_seq_parallel_inputs(self.seq_algo, input_ids, position_ids, target_ids, self.sp_rank,
+        return prepare_seq_parallel_inputs(self.mode, input_ids, position_ids, target_ids, self.sp_rank,
                                            self.sp, device, **self.layout_kw)
 
     def __str__(self) -> str:
-        if self.seq_algo == "usp_attn":
+        if self.mode.hybrid:
             sp = f"SP({self.sp}: R{self.ring}\u00d7U{self.ulysses})"
         else:
             sp = f"SP({self.sp})"
@@ -215,7 +182,7 @@ class ParallelLayout:
     def describe(self) -> str:
         """``__str__`` plus this rank's coordinates, for logs."""
         coords = f"rank {self.rank}: dp {self.dp_rank}, sp {self.sp_rank}"
-        if self.seq_algo == "usp_attn":
+        if self.mode.hybrid:
             coords += f" (ring {self.ring_rank}, ulysses {self.ulysses_rank})"
         return f"{self.seq_algo} {self} [{coords}]"
 

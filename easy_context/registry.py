@@ -1,56 +1,78 @@
-"""Mode name -> (layout, attention). Adding a sequence-parallel mode is one entry here.
+"""Mode name -> ``Mode`` (easy_context/mode.py). Adding a sequence-parallel mode is one package plus one line here
+(or one ``register_mode`` call at run time).
 
-layout: a module with ``shard(x, rank, world_size, dim, **kw)``, ``unshard(shards, dim, **kw)`` and
-``seq_multiple(world_size, **kw)``. attention: ``"package.module:function"`` taking
-``(q, k, v, dropout_p, softmax_scale, causal, **groups)`` in the (B, S_local, H, D) layout, imported on
-first use (no import-time side effects, no CUDA touched at import).
+Each line names the class ("package.module:Class"); it is imported on first use, so ``import easy_context`` and
+train.py's flag parsing load no torch. Every list of mode names (``SEQ_ALGOS``, train.py's ``--parallel_mode``
+choices, the eval and check CLIs, the planner's search) is read from here.
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from types import ModuleType
 
+from .mode import Mode
 
-@dataclass(frozen=True)
-class SeqAlgo:
-    name: str
-    layout: str                  # module path of the layout
-    attention: str | None        # "module:function", None = plain (unpatched) attention
-    group_kwargs: tuple[str, ...] = ("group",)
-    degree_kwargs: tuple[str, ...] = ()  # layout kwargs besides the sp size (usp: ring_degree)
-
-    def layout_kw(self, **degrees) -> dict:
-        """The layout kwargs of this mode from the degrees given (``ring_degree=``); others are dropped."""
-        return {k: degrees[k] for k in self.degree_kwargs if degrees.get(k) is not None}
-
-    def layout_module(self) -> ModuleType:
-        return importlib.import_module(self.layout)
-
-    def attention_fn(self):
-        if self.attention is None:
-            return None
-        mod, fn = self.attention.split(":")
-        return getattr(importlib.import_module(mod), fn)
-
-
-_P = "easy_context"
-REGISTRY: dict[str, SeqAlgo] = {
-    "data_parallel": SeqAlgo("data_parallel", f"{_P}.data_parallel.layout", None, ()),
-    "zigzag_ring_attn": SeqAlgo("zigzag_ring_attn", f"{_P}.zigzag_ring_attn.layout",
-                                f"{_P}.zigzag_ring_attn:zigzag_ring_attn_func"),
-    "dist_flash_attn": SeqAlgo("dist_flash_attn", f"{_P}.dist_flash_attn.layout",
-                               f"{_P}.dist_flash_attn:dist_flash_attn_func"),
-    "ulysses_attn": SeqAlgo("ulysses_attn", f"{_P}.ulysses_attn.layout",
-                            f"{_P}.ulysses_attn:ulysses_attn_func"),
-    "usp_attn": SeqAlgo("usp_attn", f"{_P}.usp.layout", f"{_P}.usp:usp_attn_func",
-                        ("ring_group", "ulysses_group"), ("ring_degree",)),
+_MODES: dict[str, str | Mode] = {
+    "data_parallel": "easy_context.data_parallel.mode:DataParallelMode",
+    "zigzag_ring_attn": "easy_context.zigzag_ring_attn.mode:ZigzagRingMode",
+    "dist_flash_attn": "easy_context.dist_flash_attn.mode:DistFlashMode",
+    "ulysses_attn": "easy_context.ulysses_attn.mode:UlyssesMode",
+    "usp_attn": "easy_context.usp.mode:UspMode",
 }
-SEQ_ALGOS: tuple[str, ...] = tuple(REGISTRY)
+SEQ_ALGOS: tuple[str, ...] = tuple(_MODES)  # the built-in modes (public API); mode_names() adds registered ones
+DEFAULT_MODE = "zigzag_ring_attn"           # train.py's and the evals' --parallel_mode default
 
 
-def get_algo(seq_algo: str) -> SeqAlgo:
+def mode_names() -> tuple[str, ...]:
+    """Every mode name, built-in and registered, in registration order."""
+    return tuple(_MODES)
+
+
+def register_mode(mode, name: str | None = None) -> Mode:
+    """Add a mode at run time: a ``Mode`` subclass, an instance, or a "package.module:Class" string. Its name is
+    ``mode.name`` (or ``name=``); registering a name twice is an error (built-in modes cannot be replaced)."""
+    if isinstance(mode, str):
+        mode = _load(mode)
+    elif isinstance(mode, type) and issubclass(mode, Mode):
+        mode = mode()
+    if not isinstance(mode, Mode):
+        raise TypeError(f"register_mode needs a Mode subclass, instance or 'module:Class' string; got {mode!r}")
+    name = name or mode.name
+    if not name or name in _MODES:
+        raise ValueError(f"cannot register mode {name!r}: " + ("it has no name" if not name else "already registered"))
+    if mode.name != name:
+        raise ValueError(f"register_mode: name {name!r} differs from the Mode's own name {mode.name!r}")
+    _MODES[name] = mode
+    return mode
+
+
+def unregister_mode(name: str) -> None:
+    """Remove a mode added with ``register_mode`` (tests); built-in modes stay."""
+    if name in SEQ_ALGOS:
+        raise ValueError(f"{name} is a built-in mode and cannot be removed")
+    _MODES.pop(name, None)
+
+
+def _load(path: str) -> Mode:
+    mod, cls = path.split(":")
+    return getattr(importlib.import_module(mod), cls)()
+
+
+def get_mode(mode) -> Mode:
+    """The ``Mode`` of a name (or the Mode itself); an unknown name -> ValueError naming the valid ones."""
+    if isinstance(mode, Mode):
+        return mode
     try:
-        return REGISTRY[seq_algo]
-    except KeyError:
-        raise ValueError(f"unknown sequence-parallel mode {seq_algo!r}; valid modes: {', '.join(SEQ_ALGOS)}") from None
+        entry = _MODES[mode]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown sequence-parallel mode {mode!r}; valid modes: {', '.join(_MODES)}") from None
+    if isinstance(entry, str):
+        entry = _MODES[mode] = _load(entry)
+    return entry
+
+
+def modes_taking(degree: str) -> list[str]:
+    """Names of the modes whose cut takes ``degree`` (e.g. "ring_degree"), for error messages."""
+    return [n for n in _MODES if degree in get_mode(n).degree_kwargs]
+
+
+__all__ = ["SEQ_ALGOS", "DEFAULT_MODE", "get_mode", "mode_names", "register_mode", "unregister_mode", "modes_taking"]

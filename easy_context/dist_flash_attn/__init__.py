@@ -6,9 +6,12 @@ Rank r holds contiguous chunk r (``shard_sequence("dist_flash_attn", x, r, W)``)
 See ``schedule.py`` for the helper schedule and ``easy_context/memory/selective.py`` for the
 rematerialisation-aware checkpointing this mode was designed with.
 """
-from .attention import (DistFlashAttnFunc, check_inputs, dist_flash_attn, dist_flash_attn_backward,
-                        dist_flash_attn_forward, validate)
-from .schedule import Block, block_plan, num_steps, work_counts
+from .._lazy import lazy_attrs
+
+__getattr__ = lazy_attrs(__name__, {
+    **dict.fromkeys(("DistFlashAttnFunc", "check_inputs", "dist_flash_attn", "dist_flash_attn_backward",
+                     "dist_flash_attn_forward"), ".attention"),
+    **dict.fromkeys(("Block", "block_plan", "num_steps", "work_counts"), ".schedule")})
 
 
 def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None):
@@ -18,6 +21,7 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True
     is the world group. Raises ValueError (before any communication) for causal=False, dropout, odd W
     or mismatched shapes. ``docs``: packed documents of the whole sequence (``easy_context.packing``).
     """
+    from .attention import check_inputs, dist_flash_attn
     check_inputs(q, k, v, dropout_p, causal, group)
     return dist_flash_attn(q, k, v, softmax_scale, group, docs=docs)
 
@@ -26,5 +30,4 @@ def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True
 dist_flash_attn_func.supports_attention_cache = True
 
 __all__ = ["dist_flash_attn_func", "dist_flash_attn", "dist_flash_attn_forward", "dist_flash_attn_backward",
-           "DistFlashAttnFunc", "Block", "block_plan", "num_steps", "work_counts", "check_inputs",
-           "validate"]
+           "DistFlashAttnFunc", "Block", "block_plan", "num_steps", "work_counts", "check_inputs"]

@@ -43,9 +43,6 @@ def check_inputs(q, k, v, dropout_p=0.0, causal=True, group=None) -> tuple[int, 
     return rank, world
 
 
-validate = check_inputs  # the name before every mode's check was called check_inputs
-
-
 def _acc_dtype(q):  # float32 accumulators (float64 stays float64 for the math-backend reference)
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 

@@ -102,11 +102,8 @@ def _generic_attention(fn, module, query, key, value, *args, **kwargs):
 def _is_lean(fn) -> bool:
     if getattr(fn, SUPPORTS_CACHE, False):
         return True
-    seq_algo = getattr(fn, "seq_algo", None)  # easy_context.hf.make_attention_fn closures
-    if seq_algo is None:
-        return False
-    from ..registry import get_algo
-    return bool(getattr(get_algo(seq_algo).attention_fn(), SUPPORTS_CACHE, False))
+    mode = getattr(fn, "mode", None)  # easy_context.hf make_attention_fn closures carry their Mode
+    return mode is not None and mode.supports_attention_cache
 
 
 def _selective(fn):

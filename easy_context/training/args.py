@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..registry import DEFAULT_MODE, get_mode, mode_names, modes_taking
 from .errors import UsageError, fail
 
-MODES = ("data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
 CHECKPOINTING = ("layer", "selective", "offload", "nested", "none")
 
 
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dataset", default="emozilla/pg_books-tokenized-bos-eos-chunked-65536",
       help="hub name, save_to_disk dir or json/jsonl/parquet file with an input_ids column")
     a("--seq-length", type=int, default=16384)
-    a("--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn", choices=MODES)
+    a("--parallel_mode", "--parallel-mode", dest="parallel_mode", default=DEFAULT_MODE,
+      choices=mode_names())
     a("--ring_degree", "--ring-degree", dest="ring_degree", type=int, default=None,
       help="usp_attn: ring degree (ulysses degree = sp size / ring degree); default: sp size (pure ring)")
     # additions
@@ -175,7 +176,8 @@ def check_args(args) -> None:
                                                          or args.rope_scaling == "linear"):
         raise UsageError("--rope-original-max-positions must be >= 1 and applies to yarn, llama3 and dynamic "
                          "(linear scaling has no original length)")
-    if args.rope_scaling == "dynamic" and args.parallel_mode != "data_parallel":
+    mode = get_mode(args.parallel_mode)
+    if args.rope_scaling == "dynamic" and mode.is_parallel:
         raise UsageError("--rope-scaling dynamic rescales by the longest position of each forward, which a "
                          "sequence-parallel rank sees only part of: use yarn/linear/llama3, or data_parallel")
     if args.lora_rank < 0 or args.lora_alpha is not None and not args.lora_alpha > 0:
@@ -190,10 +192,11 @@ def check_args(args) -> None:
         raise UsageError("--eval-every needs --eval-dataset (the held-out rows to evaluate)")
     if args.resume and args.overwrite_output_dir:
         raise UsageError("--resume continues the run in --output-dir; --overwrite-output-dir deletes it: pass one")
-    if args.ring_degree is not None and args.parallel_mode != "usp_attn":
-        raise UsageError(f"--ring_degree applies to usp_attn only (got --parallel_mode {args.parallel_mode})")
-    if args.parallel_mode == "data_parallel" and args.sp_size not in (None, 1):
-        raise UsageError("--sp-size must be 1 (or unset) with --parallel_mode data_parallel")
+    if args.ring_degree is not None and "ring_degree" not in mode.degree_kwargs:
+        raise UsageError(f"--ring_degree applies to {' / '.join(modes_taking('ring_degree'))} only "
+                         f"(got --parallel_mode {args.parallel_mode})")
+    if not mode.is_parallel and args.sp_size not in (None, 1):
+        raise UsageError(f"--sp-size must be 1 (or unset) with --parallel_mode {mode.name}")
     # --save-rope-theta unset: the theta used for training (the model's own when --rope-theta is unset too)
     check_model_path(args.model)
     from .run_dir import check_writable_dir

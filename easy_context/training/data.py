@@ -221,7 +221,7 @@ def save_dataset_atomic(ds, output: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def make_loader(ds, seq_algo: str, layout, batch_size: int, seq_length: int, seed: int, accelerator):
+def make_loader(ds, layout, batch_size: int, seq_length: int, seed: int, accelerator):
     """Rows sharded over data-parallel ranks only (``easy_context.data.prepare_dataloader``); the sp ranks
     of one group get the same rows. Seeded per-epoch shuffle; ``state_dict()`` gives the data position."""
     from torch.utils.data import DataLoader
@@ -236,7 +236,7 @@ def make_loader(ds, seq_algo: str, layout, batch_size: int, seq_length: int, see
     def collate(rows):  # {column: (batch, seq_length + 1)}; see packed_data.batch_targets
         return {c: torch.stack([r[c][: seq_length + 1] for r in rows]).long() for c in cols}
     dl = DataLoader(ds, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate)
-    return prepare_dataloader(seq_algo, dl, accelerator, layout=layout, seed=seed)
+    return prepare_dataloader(dl, layout, accelerator, seed=seed)
 
 
 def forever(loader):

@@ -59,15 +59,17 @@ def set_rope_scaling(config, rope_type: str, factor: float, original: int | None
         config.max_position_embeddings, int(original * factor))
 
 
-def check_rope_for_sp(config, parallel_mode: str) -> None:
+def check_rope_for_sp(config, parallel_mode) -> None:
     """dynamic / longrope pick their frequencies from the largest position id a forward sees; a sequence-
     parallel rank sees only its shard, so ranks (and a 1-process run) would disagree: refused."""
     rp = getattr(config, "rope_parameters", None) or {}
     types = {v.get("rope_type") for v in rp.values() if isinstance(v, dict)} | {rp.get("rope_type")}
     bad = types & {"dynamic", "longrope"}
-    if bad and parallel_mode != "data_parallel":
+    from ..registry import get_mode
+    mode = get_mode(parallel_mode)
+    if bad and mode.is_parallel:
         raise UsageError(f"RoPE type {bad.pop()!r} rescales by the longest position of each forward, which a "
-                         f"sequence-parallel rank sees only part of; --parallel_mode {parallel_mode} would not be "
+                         f"sequence-parallel rank sees only part of; --parallel_mode {mode.name} would not be "
                          "exact: use --rope-scaling yarn/linear/llama3, or --parallel_mode data_parallel")
 
 

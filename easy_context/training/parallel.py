@@ -13,12 +13,13 @@ from ..loss import head_as_loss, token_nll_sum
 from .errors import UsageError
 
 
-def build_layout(seq_algo: str, sp_size: int | None, ring_degree: int | None, seq_length: int):
-    """Process groups for ``seq_algo`` (collective on every rank); bad degrees / lengths -> UsageError."""
+def build_layout(mode, sp_size: int | None, ring_degree: int | None, seq_length: int):
+    """Process groups for ``mode`` (a Mode or --parallel_mode's name; collective on every rank); bad degrees /
+    lengths -> UsageError."""
     from easy_context.parallel_layout import ParallelLayout
 
     try:
-        layout = ParallelLayout.build(seq_algo, sp_size=sp_size, ring_degree=ring_degree)
+        layout = ParallelLayout.build(mode, sp_size=sp_size, ring_degree=ring_degree)
         layout.check_seq_len(seq_length)
     except ValueError as e:
         raise UsageError(str(e).replace("sequence length", "--seq-length")) from None

@@ -1,5 +1,8 @@
 """ulysses_attn: head-parallel attention over contiguous sequence shards (DeepSpeed-Ulysses)."""
-from .attention import UlyssesAttnFunc, largest_valid_degree, ulysses_attn, ulysses_backward, ulysses_forward
+from .._lazy import lazy_attrs
+
+__getattr__ = lazy_attrs(__name__, dict.fromkeys(
+    ("UlyssesAttnFunc", "largest_valid_degree", "ulysses_attn", "ulysses_backward", "ulysses_forward"), ".attention"))
 
 
 def ulysses_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None):
@@ -11,6 +14,7 @@ def ulysses_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, g
     supported (full attention on the gathered sequence). Differentiable; dropout is not supported.
     ``docs``: packed documents of the whole sequence (``easy_context.packing``), causal within each one.
     """
+    from .attention import ulysses_attn
     return ulysses_attn(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, group=group,
                         docs=docs)
 

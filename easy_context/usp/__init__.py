@@ -1,5 +1,8 @@
 """usp_attn: Ulysses (all-to-all) x zigzag ring hybrid sequence parallelism."""
-from .attention import UspAttnFunc, usp_attn, usp_backward, usp_forward
+from .._lazy import lazy_attrs
+
+__getattr__ = lazy_attrs(__name__, dict.fromkeys(("UspAttnFunc", "usp_attn", "usp_backward", "usp_forward"),
+                                                 ".attention"))
 
 
 def usp_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, ring_group=None, ulysses_group=None,
@@ -11,6 +14,7 @@ def usp_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, ring_
     ``ParallelLayout.build("usp_attn", ring_degree=R)``. Only ``causal=True``, ``dropout_p=0``.
     ``docs``: packed documents of the whole sequence (``easy_context.packing``), causal within each one.
     """
+    from .attention import usp_attn
     return usp_attn(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                     ring_group=ring_group, ulysses_group=ulysses_group, docs=docs)
 

@@ -50,11 +50,11 @@ def gather_positions(local: torch.Tensor, groups: dict, gather) -> torch.Tensor:
     """packing.gather_positions for USP: the Ulysses pieces form the ring rank's zigzag-local sequence (all-gather
     in the Ulysses group), then the ring ranks' sequences undo the zigzag / k-pair cut. ``gather(t, group)``
     -> the list of every group member's ``t``."""
-    from ..api import unshard_sequence
+    from ..zigzag_ring_attn.layout import unshard as ring_unshard
     from .attention import resolve_groups
     ring_group, r, u, uly_group = resolve_groups(groups.get("ring_group"), groups.get("ulysses_group"))
     local = torch.cat(gather(local, uly_group), dim=1) if u > 1 else local
     if r == 1:
         return local
     parts = gather(local, ring_group)
-    return unshard_sequence("zigzag_ring_attn", parts, dim=1, positions=torch.cat(parts, dim=1))
+    return ring_unshard(parts, dim=1, positions=torch.cat(parts, dim=1))  # the ring's zigzag / k-pair cut

@@ -1,9 +1,12 @@
 """zigzag_ring_attn: balanced causal ring attention (schedule and algorithm in attention.py)."""
 import math
 
-from .attention import (RingBlock, Step, ZigzagRingAttnFunc, block_plan, check_inputs, global_chunks, ring_steps,
-                        zigzag_ring_backward, zigzag_ring_forward)
-from .layout import seq_multiple, shard, unshard
+from .._lazy import lazy_attrs
+
+__getattr__ = lazy_attrs(__name__, {
+    **dict.fromkeys(("RingBlock", "Step", "ZigzagRingAttnFunc", "block_plan", "check_inputs", "global_chunks",
+                     "ring_steps", "zigzag_ring_backward", "zigzag_ring_forward"), ".attention"),
+    **dict.fromkeys(("seq_multiple", "shard", "unshard"), ".layout")})
 
 
 def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None):
@@ -18,6 +21,7 @@ def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Tru
     (a restart at 0) long enough for it are laid out in the balanced k-pair form of zigzag (``docs.pairs(W)``):
     shard them with ``shard_sequence("zigzag_ring_attn", x, rank, W, positions=global_position_ids)``.
     """
+    from .attention import ZigzagRingAttnFunc, check_inputs
     check_inputs(q, k, v, dropout_p, causal)  # before any collective
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])

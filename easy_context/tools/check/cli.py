@@ -16,13 +16,13 @@ PROG = "python -m easy_context check"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from easy_context.registry import SEQ_ALGOS
+    from easy_context.registry import DEFAULT_MODE, mode_names
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="exit status: 0 pass, 1 mismatch beyond tolerance, 2 usage error")
     p.add_argument("--model", required=True, help="model directory or config.json (only the config is read)")
-    p.add_argument("--parallel_mode", "--parallel-mode", dest="mode", default="zigzag_ring_attn",
-                   help=f"one of {', '.join(SEQ_ALGOS)} (default zigzag_ring_attn)")
+    p.add_argument("--parallel_mode", "--parallel-mode", dest="mode", default=DEFAULT_MODE,
+                   help=f"one of {', '.join(mode_names())} (default {DEFAULT_MODE})")
     p.add_argument("--world", type=int, default=2, help="number of CPU ranks (gloo) = dp x sp (default 2)")
     p.add_argument("--sp_size", "--sp-size", dest="sp_size", type=int, default=None,
                    help="ranks sharing one sequence (default: the whole world; dp = world / sp)")

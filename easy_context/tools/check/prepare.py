@@ -10,9 +10,9 @@ from .config import _heads, load_user_config, set_theta, shrink_config, sliding_
 
 def plan_case(args) -> tuple[Case, dict]:
     """Validate everything and build the Case; raises CheckUsageError (nothing has been spawned)."""
-    from easy_context.registry import SEQ_ALGOS
-    if args.mode not in SEQ_ALGOS:
-        raise CheckUsageError(f"unknown --parallel_mode {args.mode!r}; valid modes: {', '.join(SEQ_ALGOS)}")
+    from easy_context.registry import mode_names
+    if args.mode not in mode_names():
+        raise CheckUsageError(f"unknown --parallel_mode {args.mode!r}; valid modes: {', '.join(mode_names())}")
     for flag, v, lo in (("--world", args.world, 1), ("--batch", args.batch, 1), ("--seq-len", args.seq_len, 2),
                         ("--timeout", args.timeout, 1)):
         if v is not None and v < lo:
@@ -27,8 +27,8 @@ def plan_case(args) -> tuple[Case, dict]:
                                       world_size=args.world)
     except ValueError as e:
         raise CheckUsageError(f"--world {args.world}: {e}") from None
-    ring = layout.ring if args.mode == "usp_attn" else None
-    if args.inject == "ring_degree_mismatch" and (args.mode != "usp_attn" or layout.sp < 2):
+    ring = layout.layout_kw.get("ring_degree")
+    if args.inject == "ring_degree_mismatch" and (not layout.mode.hybrid or layout.sp < 2):
         raise CheckUsageError("--inject ring_degree_mismatch needs --parallel_mode usp_attn on >= 2 sp ranks "
                               "(it shards for one ring degree and runs another)")
 

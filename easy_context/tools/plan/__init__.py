@@ -22,7 +22,7 @@ candidate), ``launch.py`` (accelerate command, train.py flags), ``cli.py`` (flag
 from __future__ import annotations
 
 from .cli import MULTI_GPU_NOTE, PROG, build_parser, main, parse, rank_rows, render_table
-from .constants import (CHECKPOINTING, CONSTANTS_FILE, MODES, RING_MODES, ZERO, C, GiB, PlanUsageError,
+from .constants import (CHECKPOINTING, CONSTANTS_FILE, ZERO, C, GiB, PlanUsageError,
                         gpu_constants, load_constants)
 from .launch import accelerate_command, train_flags
 from .memory import gpu_memory, host_memory
@@ -33,7 +33,7 @@ from .shape import Shape, load_shape, model_flops_per_token, shape_from_dict
 from .step_time import compute_time, sp_comm_time, zero_time
 
 __all__ = ["main", "build_parser", "parse", "render_table", "rank_rows", "PROG", "MULTI_GPU_NOTE", "PlanUsageError",
-           "load_constants", "gpu_constants", "C", "GiB", "CONSTANTS_FILE", "MODES", "CHECKPOINTING", "ZERO",
-           "RING_MODES", "Shape", "shape_from_dict", "load_shape", "model_flops_per_token", "Option", "Env",
+           "load_constants", "gpu_constants", "C", "GiB", "CONSTANTS_FILE", "CHECKPOINTING", "ZERO",
+           "Shape", "shape_from_dict", "load_shape", "model_flops_per_token", "Option", "Env",
            "layout_problem", "host_memory", "gpu_memory", "compute_time", "sp_comm_time", "zero_time", "predict",
            "layouts", "candidates", "accelerate_command", "train_flags"]

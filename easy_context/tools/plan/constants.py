@@ -6,12 +6,10 @@ import os
 
 GiB = 2**30
 CONSTANTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plan_constants.json")
-MODES = ("data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
 CHECKPOINTING = ("layer", "selective", "offload")
 # train.py-usable DeepSpeed set-ups (bench/plan_validation.py also uses "bare": bf16 weights + gradients that
 # appear during backward, no optimizer = the benches' fwd+bwd step)
 ZERO = ("zero3-offload", "zero3", "zero2-offload-opt", "zero2")
-RING_MODES = ("zigzag_ring_attn", "dist_flash_attn")
 
 
 class PlanUsageError(ValueError):

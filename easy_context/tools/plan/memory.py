@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 
 from .constants import GiB, C
-from .options import Env, Option
+from .options import Env, Option, mode_of
 from .shape import Shape
 
 
 def kv_width(shape: Shape, opt: Option, sp: int) -> int:
     """Width of the k/v a rank exchanges: Ulysses/USP replicate kv heads up to the Ulysses degree."""
-    return max(shape.kv_heads, sp) * shape.head_dim if opt.mode in ("ulysses_attn", "usp_attn") else shape.d_kv
+    replicated = mode_of(opt).plan_traffic(sp, opt.ring).kv_replicated
+    return max(shape.kv_heads, sp) * shape.head_dim if replicated else shape.d_kv
 
 
 def host_memory(shape: Shape, opt: Option, env: Env, g: dict, T: float, reasons: list[str]):

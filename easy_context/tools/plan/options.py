@@ -38,20 +38,13 @@ class Env:
         return self.gpus_per_node * self.nodes
 
 
+def mode_of(opt: Option):
+    """The ``Mode`` of a candidate (its planner hooks: ``plan_problem``, ``plan_traffic``)."""
+    from ...registry import get_mode
+    return get_mode(opt.mode)
+
+
 def layout_problem(shape: Shape, opt: Option, L: int) -> str | None:
-    """Why the mode cannot shard this length / these heads over sp ranks (None: it can)."""
-    sp, m = opt.sp, opt.mode
-    if m == "data_parallel":
-        return None if sp == 1 else "data_parallel has sp = 1"
-    if m == "zigzag_ring_attn" and L % (2 * sp):
-        return f"zigzag needs the length divisible by 2*sp = {2 * sp}"
-    if m == "dist_flash_attn" and (sp > 1 and sp % 2 or L % sp):
-        return f"dist_flash needs sp even (or 1) and the length divisible by {sp}"
-    if m == "ulysses_attn" and (shape.heads % sp or L % sp):
-        return f"ulysses needs q heads ({shape.heads}) and the length divisible by sp = {sp}"
-    if m == "usp_attn":
-        r = opt.ring or sp
-        u = sp // r
-        if sp % r or shape.heads % u or L % (2 * sp):
-            return f"usp needs ring x ulysses = sp, q heads divisible by ulysses ({u}), length by {2 * sp}"
-    return None
+    """Why the mode cannot shard this length / these heads over sp ranks (None: it can). A mode without a planner
+    cost model says so here and is left out of the search."""
+    return mode_of(opt).plan_problem(shape.heads, L, opt.sp, opt.ring)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .constants import GiB, C, gpu_constants
 from .memory import gpu_memory, host_memory
-from .options import Env, Option
+from .options import Env, Option, mode_of
 from .shape import Shape, model_flops_per_token
 from .step_time import compute_time, sp_comm_time, zero_time
 
@@ -15,7 +15,8 @@ def predict(shape: Shape, opt: Option, env: Env) -> dict:
     L, B = env.seq_len, env.batch
     world, sp = env.world, opt.sp
     T = B * L / sp                                   # tokens this GPU holds
-    kernel = opt.kernel or ("sdpa" if opt.mode == "data_parallel" else g["default_kernel"])
+    mode_of(opt).plan_traffic(sp, opt.ring)  # a mode without a cost model is refused here, never costed as zero
+    kernel = opt.kernel or (g["default_kernel"] if mode_of(opt).is_parallel else "sdpa")
     if kernel not in g["attn_fwd_bwd_tflops"]:
         kernel = g["default_kernel"]
     reasons: list[str] = []

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import itertools
 
-from .constants import CHECKPOINTING, MODES, ZERO
+from ...registry import get_mode, mode_names
+from .constants import CHECKPOINTING, ZERO
 from .options import Env, Option, layout_problem
 from .predict import predict
 from .shape import Shape
 
 
 def layouts(shape: Shape, world: int, L: int):
-    """(mode, dp, sp, ring) for every mode and dp x sp (x ring x ulysses) split of the world that shards L."""
+    """(mode, dp, sp, ring) for every registered mode and dp x sp (x ring x ulysses) split of the world that shards
+    L. One rank per sequence: the modes marked ``plan_at_sp1`` (the plain baseline and ours); a mode without a
+    cost model is refused by its ``plan_problem``."""
     for sp in [s for s in range(1, world + 1) if world % s == 0]:
         dp = world // sp
-        modes = ("data_parallel", "zigzag_ring_attn") if sp == 1 else MODES[1:]
-        for mode in modes:
-            rings = [r for r in range(2, sp) if sp % r == 0] if mode == "usp_attn" else [None]
-            for ring in rings:
+        for mode in mode_names():
+            m = get_mode(mode)
+            if not (m.plan_at_sp1 if sp == 1 else m.is_parallel):
+                continue
+            for ring in m.plan_rings(sp):
                 opt = Option(mode, dp, sp, "layer", True, False, "zero3-offload", ring=ring)
                 if layout_problem(shape, opt, L) is None:
                     yield mode, dp, sp, ring
@@ -30,6 +34,6 @@ def candidates(shape: Shape, env: Env, kernel: str | None = None) -> list[dict]:
         if zero == "zero3" and env.world == 1:
             continue  # ZeRO-3 without offload partitions nothing on one GPU: zero2 is the same and shipped
         opt = Option(mode, dp, sp, ckpt, chunked, tiled, zero, ring=ring,
-                     kernel=None if mode == "data_parallel" else kernel)
+                     kernel=kernel if get_mode(mode).is_parallel else None)
         rows.append(predict(shape, opt, env))
     return rows

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from .constants import RING_MODES, C
+from .constants import C
 from .memory import kv_width
-from .options import Env, Option
+from .options import Env, Option, mode_of
 from .shape import Shape
 
 
@@ -30,7 +30,7 @@ def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: f
     r_mm = g["matmul_tflops"] * 1e12
     r_fb = _interp(g["attn_fwd_bwd_tflops"][kernel], L) * 1e12
     r_f = _interp(g["attn_fwd_tflops"][kernel], L) * 1e12
-    load = C("ring_load_factor") if sp > 1 and opt.mode in RING_MODES + ("usp_attn",) else 1.0
+    load = C("ring_load_factor") if sp > 1 and mode_of(opt).uses_ring else 1.0
     attn_fwd_flops = 2.0 * B * L * L * da / sp      # causal: 4·L²·d_attn / 2 per sequence, split over sp
     t_attn = 3.5 * attn_fwd_flops / r_fb * load
     t_attn_f = attn_fwd_flops / r_f * load
@@ -52,29 +52,28 @@ def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: f
 
 def sp_comm_time(shape: Shape, opt: Option, env: Env, g: dict, T: float, t_attn: float, t_attn_f: float) -> float:
     """Exposed sequence-parallel communication of one micro-batch (ring p2p beyond the overlapped compute,
-    Ulysses all-to-alls)."""
+    Ulysses all-to-alls): what the mode's ``plan_traffic`` says it moves (a mode without one is refused)."""
     sp, da = opt.sp, shape.d_attn
+    traffic = mode_of(opt).plan_traffic(sp, opt.ring)
     kv_eff = kv_width(shape, opt, sp)
     lat = C("comm_latency_s")
     intra = sp <= env.gpus_per_node
     p2p = (g["nvlink_p2p_gbs"] if intra else g["ib_gbs"]) * 1e9
     t_sp = 0.0
     fwd_passes = 2 if opt.checkpointing in ("layer", "offload") else 1
-    if sp > 1 and opt.mode in RING_MODES + ("usp_attn",):
-        r = sp if opt.mode != "usp_attn" else (opt.ring or sp)
-        fac = C("dist_flash_comm_factor") if opt.mode == "dist_flash_attn" else 1.0
-        kv_w = kv_eff if opt.mode == "usp_attn" else shape.d_kv
-        if r > 1:
-            f_bytes, b_bytes = fac * T * 2 * kv_w * 2, fac * T * 2 * kv_w * (2 + 4)  # bf16 k,v; + fp32 dk,dv back
-            f_comp, b_comp = t_attn_f / r, (t_attn - t_attn_f) / r
-            per_step = fwd_passes * (max(0.0, f_bytes / p2p - f_comp) + lat) + max(0.0, b_bytes / p2p - b_comp) + lat
-            t_sp += shape.layers * (r - 1) * per_step
-    if sp > 1 and opt.mode in ("ulysses_attn", "usp_attn"):
-        u = sp if opt.mode == "ulysses_attn" else sp // (opt.ring or sp)
-        if u > 1:
-            bw = (g["nvlink_collective_gbs"] if u <= env.gpus_per_node else g["ib_gbs"]) * 1e9
-            a2a = T * (2 * da + 2 * kv_eff) * 2 * (u - 1) / u / bw + 2 * lat   # q,k,v in + out back (or grads)
-            t_sp += shape.layers * a2a * (fwd_passes + 1 + (1 if opt.checkpointing == "selective" else 0))
+    if sp > 1 and traffic.ring > 1:
+        r = traffic.ring
+        fac = C(traffic.ring_comm_factor) if traffic.ring_comm_factor else 1.0
+        kv_w = kv_eff if traffic.ring_kv_replicated else shape.d_kv
+        f_bytes, b_bytes = fac * T * 2 * kv_w * 2, fac * T * 2 * kv_w * (2 + 4)  # bf16 k,v; + fp32 dk,dv back
+        f_comp, b_comp = t_attn_f / r, (t_attn - t_attn_f) / r
+        per_step = fwd_passes * (max(0.0, f_bytes / p2p - f_comp) + lat) + max(0.0, b_bytes / p2p - b_comp) + lat
+        t_sp += shape.layers * (r - 1) * per_step
+    if sp > 1 and traffic.ulysses > 1:
+        u = traffic.ulysses
+        bw = (g["nvlink_collective_gbs"] if u <= env.gpus_per_node else g["ib_gbs"]) * 1e9
+        a2a = T * (2 * da + 2 * kv_eff) * 2 * (u - 1) / u / bw + 2 * lat   # q,k,v in + out back (or grads)
+        t_sp += shape.layers * a2a * (fwd_passes + 1 + (1 if opt.checkpointing == "selective" else 0))
     return t_sp
 
 

@@ -1,5 +1,5 @@
-"""Contiguous layout: rank r holds chunk r of W."""
-from ..sharding import contiguous_shard, contiguous_unshard
+"""The contiguous cut (dist_flash_attn, ulysses_attn): rank r holds chunk r of W."""
+from .sharding import contiguous_shard, contiguous_unshard
 
 
 def signature(world_size: int, **_) -> tuple:
