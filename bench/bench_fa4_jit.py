@@ -23,7 +23,8 @@ from bench.common import env_line, require_cuda, table  # noqa: E402
 
 def child(length):
     import torch
-    from easy_context import fa4, kernels
+    from easy_context import kernels
+    from easy_context.kernels import fa4
     assert fa4.usable(0), "flash-attn-4 is not usable here"
     q = torch.randn(1, length, 32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, length, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))

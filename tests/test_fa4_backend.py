@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from easy_context import fa4, kernels
+from easy_context import kernels
+from easy_context.kernels import fa4
 from tests.tols import assert_close
 
 

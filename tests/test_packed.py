@@ -153,10 +153,10 @@ def test_varlen_grouping_matches_per_document_calls(monkeypatch):
         qi, ki, vi, di = (t[:, idx] for t in (q, k, v, do))
         got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
         gg = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk)
-        monkeypatch.setattr(kernels, "VARLEN_MIN_DOCS", 10 ** 9)  # per-document dense calls
+        monkeypatch.setattr(kernels.documents, "VARLEN_MIN_DOCS", 10 ** 9)  # per-document dense calls
         ref = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
         rg = kernels.attn_backward(di, qi, ki, vi, *ref, True, 0.3, "math", docs=blk)
-        monkeypatch.setattr(kernels, "VARLEN_MIN_DOCS", 4)
+        monkeypatch.setattr(kernels.documents, "VARLEN_MIN_DOCS", 4)
         for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
             assert_close(a, b, 1e-12, f"varlen {name}")
     assert _math_varlen_forward.calls >= 2

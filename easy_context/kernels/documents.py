@@ -1,0 +1,133 @@
+"""Document-masked attention of one block (packed rows): dense pieces per document, and diagonal runs of many
+documents grouped into one varlen launch where the backend has a varlen kernel (``VARLEN``)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import fa4
+from .backends import _BACKWARD, _FORWARD
+from .reference import _math_backward, _math_forward
+
+
+def _doc_rows(q, docs):
+    """(batch slice, pieces) pairs: all rows at once when every row is packed alike, else row by row."""
+    if docs.docs.uniform:
+        return [(slice(None), docs.pieces(0))]
+    return [(slice(b, b + 1), docs.pieces(b)) for b in range(q.shape[0])]
+
+
+# Backends with a varlen (cu_seqlens) kernel: a diagonal run of many documents is one launch instead of one
+# per document. (forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fallback) on (total, H, D) tensors
+# -> (out, lse (H, total)); backward likewise.) Tests register a reference implementation here.
+VARLEN = {"fa4": (fa4.varlen_forward, fa4.varlen_backward)}
+VARLEN_MIN_DOCS = 4  # fewer documents in a run: per-document dense calls are as cheap
+
+
+def _group(name, pieces):
+    """Pieces -> items: ("dense", piece) or ("varlen", [causal diagonal pieces tiling one contiguous run])."""
+    items, run = [], []
+
+    def flush():
+        if len(run) >= VARLEN_MIN_DOCS and name in VARLEN:
+            items.append(("varlen", list(run)))
+        else:
+            items.extend(("dense", p) for p in run)
+        run.clear()
+    for p in pieces:
+        qs, ks, causal = p
+        if causal is True and qs == ks and (not run or run[-1][0].stop == qs.start):
+            run.append(p)
+            continue
+        flush()
+        if causal is True and qs == ks:
+            run.append(p)
+        else:
+            items.append(("dense", p))
+    flush()
+    return items
+
+
+def _flat(x, bs, span):  # (B, L, H, D) rows of a run -> (B * n, H, D) for a varlen kernel
+    t = x[bs, span]
+    return t.reshape(-1, *t.shape[2:])
+
+
+def _cu(run, batch, device):
+    lens = torch.tensor([p[0].stop - p[0].start for p in run] * batch, dtype=torch.int32)
+    return F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0)).to(device), int(lens.max())
+
+
+def _doc_forward(name, q, k, v, scale, docs):
+    fwd = _FORWARD[name]
+    out = lse = None
+    for bs, pieces in _doc_rows(q, docs):
+        for kind, item in _group(name, pieces):
+            if out is None:
+                acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+                out = torch.zeros(q.shape, dtype=acc, device=q.device)
+                lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
+            if kind == "dense":
+                qs, ks, causal = item
+                f = fwd if isinstance(causal, bool) else _math_forward  # a window's band edge: explicit mask
+                o, l = f(q[bs, qs], k[bs, ks], v[bs, ks], causal, scale)
+            else:  # one varlen launch over a diagonal run of documents
+                qs = slice(item[0][0].start, item[-1][0].stop)
+                nb = q[bs].shape[0]
+                cu, mx = _cu(item, nb, q.device)
+
+                def dense(qs=qs, item=item):
+                    return _varlen_by_pieces(fwd, q[bs], k[bs], v[bs], item, scale)
+                o, l = VARLEN[name][0](_flat(q, bs, qs), _flat(k, bs, qs), _flat(v, bs, qs), cu, cu, mx, mx,
+                                       True, scale, lambda: _pack_varlen(*dense(), nb))
+                n = qs.stop - qs.start
+                o = o.view(nb, n, *o.shape[1:])
+                l = l.view(l.shape[0], nb, n).transpose(0, 1)
+            from . import merge_attn_out
+            merge_attn_out(out[bs, qs], lse[bs, :, qs], o, l)  # a row may get pieces of two runs
+    return None if out is None else (out.to(q.dtype), lse)
+
+
+def _varlen_by_pieces(fwd, q, k, v, run, scale):
+    """Fallback of a varlen call: the run's documents one dense causal call each -> (out, lse) of the run."""
+    outs, lses = zip(*(fwd(q[:, p[0]], k[:, p[1]], v[:, p[1]], True, scale) for p in run))
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def _pack_varlen(o, l, nb):  # (B, n, H, D), (B, H, n) -> the varlen layout (B*n, H, D), (H, B*n)
+    return o.reshape(-1, *o.shape[2:]), l.transpose(0, 1).reshape(l.shape[1], -1)
+
+
+def _doc_backward(name, dout, q, k, v, out, lse, scale, docs):
+    bwd = _BACKWARD[name]
+    grads = None
+    for bs, pieces in _doc_rows(q, docs):
+        for kind, item in _group(name, pieces):
+            if grads is None:
+                acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+                grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
+            if kind == "dense":
+                qs, ks, causal = item
+                b = bwd if isinstance(causal, bool) else _math_backward
+                g = b(dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs], lse[bs, :, qs], causal, scale)
+            else:
+                qs = ks = slice(item[0][0].start, item[-1][0].stop)
+                nb, n = q[bs].shape[0], qs.stop - qs.start
+                cu, mx = _cu(item, nb, q.device)
+                l_flat = lse[bs, :, qs].transpose(0, 1).reshape(lse.shape[1], -1).contiguous()
+
+                def dense(item=item):
+                    parts = [bwd(dout[bs, p[0]], q[bs, p[0]], k[bs, p[1]], v[bs, p[1]], out[bs, p[0]],
+                                 lse[bs, :, p[0]], True, scale) for p in item]
+                    return tuple(torch.cat(x, dim=1).reshape(-1, *x[0].shape[2:]) for x in zip(*parts))
+                g = VARLEN[name][1](_flat(dout, bs, qs), _flat(q, bs, qs), _flat(k, bs, qs), _flat(v, bs, qs),
+                                    _flat(out, bs, qs), l_flat, cu, cu, mx, mx, True, scale, dense)
+                g = [x.view(nb, n, *x.shape[1:]) for x in g]
+            grads[0][bs, qs] += g[0]
+            grads[1][bs, ks] += g[1]
+            grads[2][bs, ks] += g[2]
+    return None if grads is None else tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
