@@ -163,7 +163,7 @@ def compute_perplexity(engine, docs, max_length, args, tokenizer, rank=0, world=
 def main(argv=None):
     args = parse_args(argv)
     if args.output_file:  # checked before any work: the results are never lost at the end
-        from easy_context.training.run_dir import check_writable_file
+        from easy_context.paths import check_writable_file
         check_writable_file(args.output_file, "--output-file")
     lengths = length_grid(args.min_tokens, args.max_tokens, args.tokens_step)
     models = [m for group in args.model for m in group]  # every -m item (EasyContext used the first only)

@@ -52,7 +52,7 @@ def length_grid(args) -> list[int]:
 def check_output_dir(path: str) -> None:
     """Before the model loads, so results are never lost at the end."""
     from easy_context.errors import UsageError
-    from easy_context.training.run_dir import check_writable_dir
+    from easy_context.paths import check_writable_dir
     try:
         check_writable_dir(path)
     except UsageError as e:

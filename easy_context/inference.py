@@ -106,7 +106,7 @@ def load_model(path: str, rope_theta: float | None = None, dtype: torch.dtype | 
     except Exception as e:  # offline Hub id, missing config.json, ...
         raise FileNotFoundError(f"cannot load a model config from {path!r}: {e}") from e
     if rope_theta is not None:
-        from .training.modeling import set_rope_theta  # the one place that knows where configs keep theta
+        from .hf.config import set_rope_theta  # the one place that knows where configs keep theta
         set_rope_theta(config, rope_theta)
     device = torch.device(device)
     if dtype is None:

@@ -172,7 +172,7 @@ def test_patched_family_without_process_group_then_restored():
 def test_transformers_guard_names_installed_version(monkeypatch):
     import transformers
 
-    from easy_context import hf
+    from easy_context.hf import patch as hf  # the version guard lives in hf/patch.py
     for family in hf.FAMILIES:
         hf.check_transformers_compat(family)
     monkeypatch.setattr(hf, "_EXPECTED", ("module", "q", "k", "v", "mask"))

@@ -22,33 +22,13 @@ import time
 import uuid
 import warnings
 
+from ..paths import check_writable_dir, check_writable_file  # noqa: F401 (shared with the evals)
 from .errors import UsageError
 
 RUN_FILE, LOCK_FILE, MANIFEST = "run.json", "run.lock", "manifest.json"
 _HASH_LIMIT = 64 << 20  # files up to this size are hashed; larger ones (weight/optimizer shards) checked by size
 
 
-# ------------------------------------------------------------------------------------------ output paths
-def check_writable_dir(path: str, flag: str = "--output-dir") -> None:
-    """``path`` is (or can be created as) a writable directory; else a UsageError naming the flag."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a file, not a directory; pass a directory path")
-    probe_dir = path
-    while not os.path.exists(probe_dir):
-        probe_dir = os.path.dirname(os.path.abspath(probe_dir))
-    if not os.path.isdir(probe_dir) or not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path!r} is not writable ({probe_dir!r} does not allow creating files); "
-                         "choose a directory you can write to")
-
-
-def check_writable_file(path: str, flag: str) -> None:
-    """An output file path whose directory exists or can be created, and that is not a directory."""
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a directory; pass a file path")
-    check_writable_dir(os.path.dirname(os.path.abspath(path)), flag + " (its directory)")
-
-
-# ------------------------------------------------------------------------------------------ identity
 def fingerprint(args) -> dict:
     """The flags that define what a run trains (not how long or where it logs)."""
     keys = ("model", "dataset", "seq_length", "learning_rate", "seed", "rope_theta", "parallel_mode",
