@@ -60,9 +60,6 @@ class RingComm:
         self._ops.append(dist.P2POp(dist.irecv, buf, src, group=self.group))
         return buf
 
-    def send_recv_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.send_recv(k), self.send_recv(v)
-
     def commit(self) -> None:
         if self._reqs is not None:
             raise RuntimeError("RingComm.commit called twice without wait")

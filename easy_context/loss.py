@@ -23,7 +23,7 @@ the average of the scaled losses is the exact sum.
 Chunked LM head. A plain HF step materialises full-vocabulary logits (and their fp32 upcast and gradient): for
 Llama-2 (32K vocab) that is ~128-384 KB per token, more than all checkpointed hidden states together. Here the
 head's matmul, the fp32 log-softmax and its gradient run one token chunk at a time; backward recomputes a chunk's
-logits from the saved hidden states (one extra head matmul per step, ~2% of a 7B step). The same idea as
+logits from the saved hidden states (one extra head matmul per step). The same idea as
 Liger-Kernel's fused linear cross-entropy and DeepSpeed ALST's TiledFusedLogitsLoss; written here as one
 autograd.Function. Layout legend: hidden ``(N, d)`` (tokens flattened), weight ``(V, d)`` (nn.Linear layout),
 targets ``(N,)``.

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
 from easy_context.memory import (causal_lm_loss, chunked_lm_loss, configure_memory, lm_head_loss, tile_mlp,
                                  untile_mlp)
-from easy_context.memory.chunked_loss import ChunkedLMLoss
+from easy_context.loss import ChunkedLMLoss
 from easy_context.ops import apply_fused_ops, remove_fused_ops
 from tests.harness import run_ranks
 from tests.model_equiv import build_model, make_batch, reference_step
@@ -101,12 +101,11 @@ def test_chunked_loss_validation():
 
 
 def test_one_loss_module():
-    """easy_context.loss owns the losses; the old import paths are the same objects, and the eval helper's
+    """easy_context.loss owns the losses; easy_context.memory re-exports the same objects, and the eval helper's
     chunked NLL equals the training chunked loss (same chunk rule)."""
-    from easy_context import inference, loss
-    from easy_context.memory import chunked_loss
-    for name in chunked_loss.__all__:
-        assert getattr(chunked_loss, name) is getattr(loss, name)
+    from easy_context import inference, loss, memory
+    for name in ("causal_lm_loss", "chunked_lm_loss", "lm_head_loss", "global_token_count"):
+        assert getattr(memory, name) is getattr(loss, name)
     assert inference.IGNORE_INDEX == loss.IGNORE_INDEX == -100
     g = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(2, 9, 8, generator=g, dtype=torch.float64), torch.randn(13, 8, generator=g,

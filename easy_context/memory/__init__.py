@@ -37,12 +37,9 @@ class MemoryConfig:
 
 def _undo(model):
     from transformers.modeling_layers import GradientCheckpointingLayer
-    try:
-        from .selective import disable_selective_checkpointing, is_selective
-        if is_selective(model):
-            disable_selective_checkpointing(model)
-    except ImportError:
-        pass
+    from .selective import disable_selective_checkpointing, is_selective
+    if is_selective(model):
+        disable_selective_checkpointing(model)
     for m in model.modules():
         if isinstance(m, GradientCheckpointingLayer) and hasattr(m, "mlp"):
             untile_mlp(m.mlp)
@@ -88,11 +85,7 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
         mgr = enable_checkpoint_offload(model, offload=checkpointing == "offload", every_k=offload_every_k)
     if checkpointing == "selective" or selective:
         # wraps whichever checkpoint function the layers now have (HF's, or our offload/nested one)
-        try:
-            from .selective import enable_selective_checkpointing
-        except ImportError as e:
-            raise ValueError("selective checkpointing needs easy_context/memory/selective.py "
-                             f"(not available: {e})") from None
+        from .selective import enable_selective_checkpointing
         enable_selective_checkpointing(model, layers=selective_layers)
     elif selective_layers is not None:
         raise ValueError("selective_layers needs selective=True (or checkpointing='selective')")
