@@ -22,7 +22,6 @@ scaling of DeepSpeed/Accelerate, so the gradient is that of the global token-mea
 Logic lives in easy_context/training; this file is the readable outline.
 """
 import math
-import os
 import time
 
 from easy_context.training.args import parse_args
@@ -51,16 +50,16 @@ def train(args):
     from easy_context.training import checkpoint as ckpt
     from easy_context.training.data import forever, load_any_dataset, make_loader, validate_packed
     from easy_context.training.evaluate import due, eval_loss, load_eval_rows
-    from easy_context.training.lora import apply_lora, save_lora
+    from easy_context.training.lora import apply_lora
     from easy_context.training.metrics import JsonlLog, StepMetrics, report
-    from easy_context.training import run_dir
     from easy_context.training.modeling import (apply_memory_options, count_params, get_rope_theta, load_config,
-                                                load_model, load_tokenizer, save_final_model)
+                                                load_model, load_tokenizer)
     from easy_context.training.optim import build_optimizer, configure_deepspeed, current_lr
     from easy_context.training.packed_data import batch_targets
     from easy_context.training.moe import aux_coef, aux_term
     from easy_context.loss import IGNORE_INDEX, global_sum
     from easy_context.training.parallel import build_layout, make_accelerator, nll_sum
+    from easy_context.training.session import open_run, resume, save_outputs
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
     config = load_config(args.model, args.rope_theta, args)  # + --rope-scaling
@@ -72,23 +71,7 @@ def train(args):
     eval_rows = load_eval_rows(args)  # --eval-dataset: validated like --dataset, before any process group
     accelerator = make_accelerator(args)  # gloo on CPU, nccl on GPU
     layout = build_layout(args.parallel_mode, args.sp_size, args.ring_degree, args.seq_length)  # dp x sp groups
-    # The output dir: one run at a time (lock), this run's identity, checkpoints of other runs never touched.
-    lock, found = run_dir.RunLock(args.output_dir), ckpt.list_checkpoints(args.output_dir)
-    lock.check()  # every rank reads the same files and fails alike, before any collective
-    run_dir.check_run(args.output_dir, args, found)
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        lock.acquire()
-        ckpt.remove_stale_temps(args.output_dir)  # half-written checkpoints of a killed run
-        if args.overwrite_output_dir:
-            import shutil
-            shutil.rmtree(ckpt.ckpt_root(args.output_dir), ignore_errors=True)
-        run_dir.begin_run(args.output_dir, args, found)
-    accelerator.wait_for_everyone()
-    run_id = run_dir.read_run(args.output_dir)["run_id"]
-    if args.wandb:
-        accelerator.init_trackers(args.wandb, config=vars(args), init_kwargs={
-            "wandb": {"name": os.path.basename(os.path.normpath(args.output_dir)), "dir": args.output_dir}})
+    lock, run_id = open_run(args, accelerator)  # the output dir: one run at a time, this run's identity
     set_seed(args.seed)
 
     # 2. Model: attention through the sp group, memory options, optimizer whose LR is --learning-rate.
@@ -116,16 +99,7 @@ def train(args):
     loader = make_loader(data, layout, args.batch_size, args.seq_length, args.seed, accelerator)
 
     # 3. Resume: model, optimizer, scheduler, RNG and data position from the latest checkpoint.
-    start = 0
-    if args.resume:
-        path = run_dir.latest_good_checkpoint(ckpt.list_checkpoints(args.output_dir), run_id, accelerator.print)
-        if path is None:
-            accelerator.print(f"--resume: no checkpoint in {args.output_dir}, starting from step 0")
-        else:
-            state = ckpt.load_checkpoint(accelerator, path)
-            start = state["step"]
-            loader.load_state_dict(state["data"])
-            accelerator.print(f"resumed from {path} (step {start})")
+    start = resume(args, accelerator, loader, run_id)
 
     GA = args.gradient_accumulate_every
     batches = forever(loader)
@@ -181,15 +155,8 @@ def train(args):
         ckpt.crash_point("step", step + 1)  # no-op unless the tests ask for a crash
     bar.close()
 
-    # 5. Final model: HF safetensors + tokenizer, RoPE theta (--save-rope-theta) in config.json.
-    accelerator.wait_for_everyone()
-    if not args.no_save_model:
-        if args.lora_rank:  # the adapter (+ the merged model with --merge-lora)
-            save_lora(accelerator, model, tokenizer, args)
-        else:
-            save_final_model(accelerator, model, tokenizer, args.output_dir, args.save_rope_theta, args.seq_length)
-        accelerator.print(f"saved model to {args.output_dir} (rope_theta {args.save_rope_theta:g}); "
-                          f"metrics in {args.log_file}")
+    # 5. Final model: HF safetensors + tokenizer (or the LoRA adapter), RoPE theta (--save-rope-theta) in config.json.
+    save_outputs(args, accelerator, model, tokenizer)
     accelerator.end_training()
     lock.release()
     if torch.distributed.is_initialized():
