@@ -5,7 +5,10 @@
     prepared = prepare_seq_parallel_inputs("zigzag_ring_attn", input_ids, position_ids, target_ids,
                                            rank, world_size, device)
 
-Modes (``SEQ_ALGOS``): data_parallel, zigzag_ring_attn, dist_flash_attn, ulysses_attn, usp_attn.
+Modes (``SEQ_ALGOS``): data_parallel, zigzag_ring_attn, dist_flash_attn, ulysses_attn, usp_attn; each is a ``Mode``
+(easy_context/mode.py) named in registry.py, and ``register_mode("package.module:Class")`` adds one at run time.
+The object form: ``layout = ParallelLayout.build(mode, sp_size=..., ring_degree=...)`` then
+``apply_seq_parallel_monkey_patch(model, layout)``, ``layout.prepare_inputs(...)``, ``prepare_dataloader(dl, layout)``.
 Every name is imported on first use: ``import easy_context`` (and ``easy_context.training.args``, which
 train.py parses flags with) loads neither torch nor transformers, so a bad flag fails in milliseconds, and
 no CUDA or optional package is touched at import.
@@ -24,6 +27,8 @@ _LAZY = {
     "usp_attn_func": "easy_context.usp",
     "prepare_dataloader": "easy_context.data",
     "ParallelLayout": "easy_context.parallel_layout",
+    "Mode": "easy_context.mode",
+    "register_mode": "easy_context.registry",
 }
 
 
@@ -42,4 +47,4 @@ def __dir__():
 
 __all__ = ["SEQ_ALGOS", "apply_seq_parallel_monkey_patch", "prepare_seq_parallel_inputs", "shard_sequence",
            "unshard_sequence", "seq_multiple", "prepare_dataloader", "zigzag_ring_attn_func",
-           "dist_flash_attn_func", "ulysses_attn_func", "usp_attn_func", "ParallelLayout"]
+           "dist_flash_attn_func", "ulysses_attn_func", "usp_attn_func", "ParallelLayout", "Mode", "register_mode"]

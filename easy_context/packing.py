@@ -214,15 +214,13 @@ def _windowed(qo, qg, n, ko, kg, m, causal, w):
     return out
 
 
-def gather_positions(seq_algo, local: torch.Tensor, groups: dict) -> torch.Tensor:
+def gather_positions(mode, local: torch.Tensor, groups: dict) -> torch.Tensor:
     """The global (B, L) positions of the sequence this sp group shares, from every rank's local ones.
 
     Packed rows are laid out in the k-pair form of zigzag under zigzag_ring_attn / usp_attn; which one is decided
     from the gathered positions in rank order (``sharding.packed_rows`` reads the same there as on the global
     positions the inputs were sharded with), so every rank undoes the layout ``prepare_seq_parallel_inputs`` made."""
     import torch.distributed as dist
-
-    from .registry import get_mode
 
     def gather(t, group):
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -231,7 +229,7 @@ def gather_positions(seq_algo, local: torch.Tensor, groups: dict) -> torch.Tenso
 
     if not (dist.is_available() and dist.is_initialized()):
         return local
-    return get_mode(seq_algo).gather_positions(local, groups, gather)  # the mode undoes its own cut
+    return mode.gather_positions(local, groups, gather)  # the Mode (``layout.mode``) undoes its own cut
 
 
 def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> torch.Tensor:

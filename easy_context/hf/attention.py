@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ..mode import Mode
-from ..registry import get_mode
 
 
 class _Groups:
@@ -77,10 +76,9 @@ def _documents(mode: Mode, groups, state, position_ids):
     return docs
 
 
-def make_attention_fn(mode, ring_degree: int | None = None, **groups):
-    """An AttentionInterface function running ``mode`` (a Mode or name) with the bound process groups
+def make_attention_fn(mode: Mode, ring_degree: int | None = None, **groups):
+    """An AttentionInterface function running ``mode`` (a ``Mode``: ``layout.mode``) with the bound process groups
     (``ring_degree=``: usp_attn's groups built from the world on first use)."""
-    mode = get_mode(mode)
     seq_algo = mode.name  # for messages
     fn = mode.attention_fn()
     bad = set(groups) - set(mode.group_kwargs)

@@ -1,8 +1,7 @@
 """How to run a candidate: the shipped accelerate config (+ DeepSpeed json) and train.py's flags."""
 from __future__ import annotations
 
-from ...registry import get_mode
-from .options import Env
+from .options import Env, mode_of
 
 
 def accelerate_command(row: dict, env: Env) -> str:
@@ -32,7 +31,7 @@ def accelerate_command(row: dict, env: Env) -> str:
 def train_flags(row: dict, env: Env) -> list[str]:
     f = [f"--seq-length {env.seq_len}", f"--batch-size {env.batch}", f"--gradient-accumulate-every {env.grad_accum}",
          f"--parallel_mode {row['mode']}"]
-    if get_mode(row["mode"]).is_parallel:
+    if mode_of(row).is_parallel:
         f.append(f"--sp-size {row['sp']}")
     if row["ring"]:
         f.append(f"--ring_degree {row['ring']}")

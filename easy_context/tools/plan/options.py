@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...mode import Mode
+from ...registry import get_mode
 from .shape import Shape
 
 
@@ -38,10 +40,10 @@ class Env:
         return self.gpus_per_node * self.nodes
 
 
-def mode_of(opt: Option):
-    """The ``Mode`` of a candidate (its planner hooks: ``plan_problem``, ``plan_traffic``)."""
-    from ...registry import get_mode
-    return get_mode(opt.mode)
+def mode_of(opt) -> Mode:
+    """The ``Mode`` of a candidate (an ``Option`` or a result row; its planner hooks: ``plan_problem``,
+    ``plan_traffic``): the planner's one lookup of a mode name."""
+    return get_mode(opt["mode"] if isinstance(opt, dict) else opt.mode)
 
 
 def layout_problem(shape: Shape, opt: Option, L: int) -> str | None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from ...registry import get_mode, mode_names
+from ...registry import mode_names
 from .constants import CHECKPOINTING, ZERO
-from .options import Env, Option, layout_problem
+from .options import Env, Option, layout_problem, mode_of
 from .predict import predict
 from .shape import Shape
 
@@ -18,7 +18,7 @@ def layouts(shape: Shape, world: int, L: int):
     for sp in [s for s in range(1, world + 1) if world % s == 0]:
         dp = world // sp
         for mode in mode_names():
-            m = get_mode(mode)
+            m = mode_of({"mode": mode})
             if not (m.plan_at_sp1 if sp == 1 else m.is_parallel):
                 continue
             for ring in m.plan_rings(sp):
@@ -34,6 +34,6 @@ def candidates(shape: Shape, env: Env, kernel: str | None = None) -> list[dict]:
         if zero == "zero3" and env.world == 1:
             continue  # ZeRO-3 without offload partitions nothing on one GPU: zero2 is the same and shipped
         opt = Option(mode, dp, sp, ckpt, chunked, tiled, zero, ring=ring,
-                     kernel=kernel if get_mode(mode).is_parallel else None)
+                     kernel=kernel if mode_of({"mode": mode}).is_parallel else None)
         rows.append(predict(shape, opt, env))
     return rows
