@@ -147,7 +147,7 @@ class ParallelLayout:
 
     def check_heads(self, num_q_heads: int, num_kv_heads: int | None = None) -> None:
         """Fail before any collective if the model's heads do not split over the Ulysses degree."""
-        self.mode.check_heads(num_q_heads, num_kv_heads or num_q_heads, self.ulysses, what=f"{self.seq_algo} ({self})")
+        self.mode.check_heads(num_q_heads, num_kv_heads or num_q_heads, self.ulysses, what=f"{self.mode.name} ({self})")
 
     # ------------------------------------------------------------------ use
     def attn_groups(self, mode=None) -> dict:
@@ -155,7 +155,7 @@ class ParallelLayout:
         ``mode`` (a Mode or name) other than the layout's own: only a mode without groups (data_parallel)."""
         mode = self.mode if mode is None else get_mode(mode)
         if mode.name != self.mode.name and mode.group_kwargs:
-            raise ValueError(f"this layout was built for {self.seq_algo}, not {mode.name}; "
+            raise ValueError(f"this layout was built for {self.mode.name}, not {mode.name}; "
                              f"build one with ParallelLayout.build({mode.name!r}, ...)")
         return mode.attn_groups(self)
 
@@ -184,7 +184,7 @@ class ParallelLayout:
         coords = f"rank {self.rank}: dp {self.dp_rank}, sp {self.sp_rank}"
         if self.mode.hybrid:
             coords += f" (ring {self.ring_rank}, ulysses {self.ulysses_rank})"
-        return f"{self.seq_algo} {self} [{coords}]"
+        return f"{self.mode.name} {self} [{coords}]"
 
 
 __all__ = ["ParallelLayout", "plan_degrees"]

@@ -79,11 +79,10 @@ def _documents(mode: Mode, groups, state, position_ids):
 def make_attention_fn(mode: Mode, ring_degree: int | None = None, **groups):
     """An AttentionInterface function running ``mode`` (a ``Mode``: ``layout.mode``) with the bound process groups
     (``ring_degree=``: usp_attn's groups built from the world on first use)."""
-    seq_algo = mode.name  # for messages
     fn = mode.attention_fn()
     bad = set(groups) - set(mode.group_kwargs)
     if bad:
-        raise ValueError(f"{seq_algo} takes process groups {mode.group_kwargs}, got {sorted(bad)}")
+        raise ValueError(f"{mode.name} takes process groups {mode.group_kwargs}, got {sorted(bad)}")
     bound = _Groups(mode, None if ring_degree is not None else groups, ring_degree)
     state: dict = {}
 
@@ -93,11 +92,11 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, **groups):
         groups = bound.get()
         _check_layout(mode, bound, state, kwargs.get("position_ids"))
         if kwargs.get("softcap") is not None:  # Gemma 2's attn_logit_softcapping: no ring kernel applies it
-            raise ValueError(f"{seq_algo}: attention logit soft-capping (config.attn_logit_softcapping="
+            raise ValueError(f"{mode.name}: attention logit soft-capping (config.attn_logit_softcapping="
                              f"{kwargs['softcap']}) is not supported by the sequence-parallel kernels; setting it "
                              "to None gives a different model, so this family cannot be trained exactly here")
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            raise ValueError(f"{seq_algo}: a KV cache is not supported inside sequence-parallel attention; "
+            raise ValueError(f"{mode.name}: a KV cache is not supported inside sequence-parallel attention; "
                              "call the model with use_cache=False")
         docs = _documents(mode, groups, state, kwargs.get("position_ids"))
         length = query.shape[2] * _sp_size(mode, groups)
@@ -109,7 +108,7 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, **groups):
                  softmax_scale=scaling, causal=True, **groups, **extra)
         return out, None
 
-    attention.mode, attention.seq_algo = mode, seq_algo
+    attention.mode, attention.seq_algo = mode, mode.name  # seq_algo: the name, as before
     return attention
 
 
