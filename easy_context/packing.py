@@ -2,7 +2,7 @@
 ``DataCollatorWithFlattening``); attention is then causal *within* each document.
 
 Every rank learns the global boundaries itself: one all-gather of the local position ids inside the sp group
-per forward (``gather_positions``), reused by every layer (hf.py caches it per position tensor). A row
+per forward (``gather_positions``), reused by every layer (hf/attention.py caches it per position tensor). A row
 without restarts is one document and takes the dense path unchanged (``documents`` returns None).
 
 ``Documents`` holds the document id of every global token, ``(B, L)`` on the CPU. A mode describes each

@@ -11,7 +11,7 @@ Modelled on torchtitan's ``ParallelDims`` (validation printing the whole equatio
 
     layout = ParallelLayout.build("usp_attn", sp_size=4, ring_degree=2)   # 8 ranks: DP(2)-SP(4: R2xU2)
     apply_seq_parallel_monkey_patch(model, layout)   # the layout carries the mode, its degrees and groups
-    batch = layout.shard(input_ids)   # this rank's piece in the mode's layout
+    batch = layout.shard(input_ids)   # this rank's piece in the mode's cut (its token layout)
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ class ParallelLayout:
 
     def shard(self, tensor: torch.Tensor, dim: int = 1, positions: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's shard of ``tensor`` along ``dim`` (the sp split; dp ranks hold other samples).
-        ``positions``: the batch's global position ids (packed rows take the balanced k-pair layout)."""
+        ``positions``: the batch's global position ids (packed rows take the balanced k-pair cut)."""
         from .api import shard_sequence
         return shard_sequence(self.mode, tensor, self.sp_rank, self.sp, dim=dim, positions=positions,
                               **self.layout_kw)
