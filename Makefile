@@ -9,7 +9,7 @@ export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv test test-all demo bench clean
 
 venv: $(STAMP)
 
@@ -21,11 +21,13 @@ $(STAMP): pyproject.toml requirements.txt
 	$(VPY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The default run keeps one representative per mode x feature (docs/testing.md); `slow` marks the rest.
 test: $(STAMP)
-	$(VPY) -m pytest -q tests
-
-test-fast: $(STAMP)
 	$(VPY) -m pytest -q tests -m "not slow"
+
+# The full matrix: every mode, world size and end-to-end variant.
+test-all: $(STAMP)
+	$(VPY) -m pytest -q tests
 
 demo: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH bash train_scripts/demo_cpu.sh

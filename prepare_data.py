@@ -30,7 +30,7 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace --output if it holds a dataset this tool wrote")
     p.add_argument("--format", choices=("text", "chat"), default="text",
                    help="text: a text column; chat: a 'messages' column (role/content), the tokenizer's chat "
-                   "template, labels only on assistant turns, whole conversations packed (see README)")
+                   "template, labels only on assistant turns, whole conversations packed (see docs/training.md)")
     p.add_argument("--document-masking", action="store_true",
                    help="text: also write position_ids restarting at 0 per document (per-document attention)")
     p.add_argument("--messages-column", default="messages")

@@ -10,7 +10,7 @@ backend. Reported per (mode, W, L):
               (1.00 = sequence parallelism adds no kernel work; chunking costs show up above 1)
   max/mean  = the slowest rank over the mean rank (load balance; 1.00 = perfect)
   err       = relative error of the merged outputs (and summed dq/dk/dv) vs the full kernel, bf16
-Communication is not simulated (it overlaps the blocks on NVLink); see README for multi-GPU runs.
+Communication is not simulated (it overlaps the blocks on NVLink); see docs/performance.md for what was measured.
 """
 from __future__ import annotations
 

@@ -45,6 +45,6 @@ def n_params(model) -> int:
 
 
 def model_flops_per_token(model, seq_len: int) -> float:
-    """The MFU FLOP count (README): 6·N + 6·n_layers·L·d_model (causal attention, fwd+bwd, recompute excluded)."""
+    """MFU FLOP count (docs/performance.md): 6·N + 6·n_layers·L·d_model (causal attn, fwd+bwd, no recompute)."""
     c = model.config
     return 6.0 * n_params(model) + 6.0 * c.num_hidden_layers * seq_len * c.hidden_size

@@ -1,6 +1,7 @@
 """`python -m easy_context plan`'s model against every measured single-H200 point (CPU, no GPU).
 
-The points are README's tables plus the project's design notes (../shared/DESIGN.md §4, outside this repo).
+The points are the tables of docs/performance.md and docs/memory.md plus the project's design notes
+(../shared/DESIGN.md §4, outside this repo).
 
     python bench/plan_validation.py          # predicted vs measured peak memory and step time, ratio columns
     python bench/plan_validation.py --fit    # re-derive the calibrated constants from their named points
@@ -38,9 +39,9 @@ ALST = dict(mode="data_parallel", sp=1, checkpointing="layer", chunked_loss=True
 TP = dict(mode="zigzag_ring_attn", sp=1, checkpointing="selective", chunked_loss=True, tiled_mlp=False, kernel="fa4")
 TP_OLD = dict(mode="zigzag_ring_attn", sp=1, chunked_loss=True, kernel="cudnn", zero="zero3-offload")
 S7, S3 = "llama-2-7b", "llama-3.2-3b"
-STEP = "README Training step (bench_train_step.py)"
-MEMB = "README Memory (bench_memory.py)"
-TPY = "README The real train.py (bench_train_py.py)"
+STEP = "docs/performance.md Training step (bench_train_step.py)"
+MEMB = "docs/memory.md Memory (bench_memory.py)"
+TPY = "docs/performance.md The real train.py (bench_train_py.py)"
 DES = "DESIGN §4 (train.py, commit f69640e; cuDNN)"
 ALSTS = "DESIGN §4 (DeepSpeed ALST pieces, HF norms)"
 L16, L32, L64, L128, L256 = 16384, 32768, 65536, 131072, 262144
@@ -181,7 +182,7 @@ def main():
         fit()
         return 0
     t, misses = table()
-    print("plan model vs measured, one H200 (README/DESIGN, 2026-12-02); ratio = predicted / measured; MISS = "
+    print("plan model vs measured, one H200 (docs/ + DESIGN, 2026-12-02); ratio = predicted / measured; MISS = "
           f"memory off by > {MEM_TOL:.0%} or time by > {TIME_TOL:.0%}\n")
     print(t)
     print()

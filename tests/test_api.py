@@ -1,4 +1,4 @@
-"""Public API (the names README lists), pure logic: names, layouts, input preparation, error messages."""
+"""Public API (the names docs/library.md lists), pure logic: names, layouts, input preparation, error messages."""
 from __future__ import annotations
 
 import pytest

@@ -28,7 +28,8 @@ def _hang_body(rank, world_size):
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+# 4 ranks is slow-only: every 4-rank test of the default run goes through the same harness
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ranks_run_collectives(world_size):
     run_ranks(_allreduce_body, world_size)
 

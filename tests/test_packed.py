@@ -271,6 +271,7 @@ def _bad_positions_error(rank, world_size):
         model(prep["local_input_ids"], position_ids=prep["local_position_ids"], use_cache=False)
 
 
+@pytest.mark.slow  # the 4-rank spawn below runs the same modes and packings (plus USP) in the default run
 def test_packed_models_2_ranks():
     run_ranks(_model_body, world_size=2, timeout=300)
 

@@ -36,7 +36,7 @@ def test_flops_follow_design_section5():
     env = plan.Env(gpu="h200", gpus_per_node=1, nodes=1, seq_len=L)
     r = plan.predict(s, plan.Option("zigzag_ring_attn", 1, 1, "selective", True, False, "bare", kernel="fa4"), env)
     assert r["mfu"] == pytest.approx(plan.model_flops_per_token(s, L) * r["tokens_per_s"] / 989e12, rel=1e-3)
-    assert r["mfu"] == pytest.approx(0.524, abs=0.01)  # README: 52.4% measured (calibration point)
+    assert r["mfu"] == pytest.approx(0.524, abs=0.01)  # docs/performance.md: 52.4% measured (calibration point)
 
 
 def test_7b_128k_one_h200_fits_with_offload(capsys):

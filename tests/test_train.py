@@ -159,7 +159,8 @@ def test_bad_inputs_fail_early_with_one_line(toy, tmp_path):
         assert not (tmp_path / "o" / "metrics.jsonl").exists(), name
 
 
-@pytest.mark.slow
+# the default run's train.py representative (2 launches: the 1-process reference and zigzag on 2 ranks under
+# DeepSpeed ZeRO-3, with chunked loss and selective checkpointing); the other end-to-end runs are slow-only
 def test_zigzag_equals_single_process_and_lr_is_flag(toy, reference, tmp_path):
     out = tmp_path / "zz"
     _ok(run_train(2, out, "zigzag_ring_attn", ["--save-rope-theta", "1e9", "--chunked-loss", "--checkpointing",
