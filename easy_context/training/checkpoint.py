@@ -118,28 +118,32 @@ def _agree_failed(accelerator, failed: bool) -> bool:
     return bool(flag.item())
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def _write_error(e: Exception, final: str, output_dir: str) -> str:
     """Which path, how much space, what to do."""
     import errno
     target = getattr(e, "filename", None) or final
     try:
         du = shutil.disk_usage(ckpt_root(output_dir))
-        space = f"{du.free / 2**30:.2f} GiB free of {du.total / 2**30:.1f} GiB there"
+        space = f"{_size(du.free)} free of {_size(du.total)} there"
     except OSError:
         space = "free space unknown"
     prev = latest_checkpoint(output_dir)
     need = ""
     if prev:
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(prev) for f in fs)
-        need = f", the last checkpoint took {size / 2**30:.2f} GiB"
+        need = f", the last checkpoint took {_size(size)}"
     why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
     code = getattr(e, "errno", None)
     if code in (errno.ENOSPC, errno.EDQUOT):
-        fix = "free space (or raise the quota), or lower --keep-checkpoints"
+        fix = "Free space (or raise the quota), or lower --keep-checkpoints"
     elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "make the directory writable"
+        fix = "Make the directory writable"
     else:
-        fix = "fix the file system"
+        fix = "Check the file system"
     kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
     return (f"cannot write checkpoint {final}: {why} ({target}; {space}{need}); nothing was kept of it and "
             f"{kept}. {fix}, then rerun with --resume")

@@ -41,13 +41,13 @@ class Guard:
 
     def stop_requested(self, step: int) -> bool:
         """At the end of optimizer step ``step`` (every rank): did any rank receive SIGTERM / SIGUSR1?"""
+        if injected("oom", step):  # test hook: as if this step had run out of GPU memory
+            import torch
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by EASY_CONTEXT_CRASH)")
         TRACKER.step = step
         if injected("sigterm", step):  # test hook: the signal reaches this rank only
             import signal
             os.kill(os.getpid(), signal.SIGTERM)
-        if injected("oom", step):  # test hook: as if the step had run out of GPU memory
-            import torch
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by EASY_CONTEXT_CRASH)")
         self.signal = self.preemption.agreed(self.accelerator.device)
         if step >= self.args.max_train_steps and self.watchdog:
             self.watchdog.arm(False)  # the final save may take long; torch's own timeout still applies
@@ -150,7 +150,7 @@ def plan_suggestion(args, world: int, local: int) -> str:
                 "plan finds no layout for this model and length")
     best = fits[0]
     return (f"plan suggests {' '.join(train_flags(best, env))} with DeepSpeed {best['zero']} (predicted "
-            f"{best['gpu_peak_gib']:.0f} GiB per GPU)")
+            f"{best['gpu_peak_gib']:.1f} GiB per GPU)")
 
 
 def _this_gpu() -> tuple[str, float | None]:

@@ -121,12 +121,13 @@ class Watchdog:
         live = [r for r in range(self.world) if r not in silent]
         if peers and live and live[0] != self.rank:
             return None, False
-        me = f"rank {self.rank} in {TRACKER.current or TRACKER.last or 'no collective yet'} at step {TRACKER.step}"
+        me = f"rank {self.rank} in {TRACKER.current or TRACKER.last or 'no collective yet'} of step {TRACKER.step + 1}"
         if not peers:
             return (f"{what} ({me}); the heartbeat store does not answer (its host, the launcher or rank 0, is "
                     f"gone or stopped); rerun with --resume"), False
         if not silent:
-            where = "; ".join(f"rank {r} in {p.get('phase')} at step {p.get('step')}" for r, p in sorted(peers.items()))
+            where = "; ".join(f"rank {r} in {p.get('phase')} of step {p.get('step', -1) + 1}"
+                              for r, p in sorted(peers.items()))
             return (f"{what} ({me}): every rank is alive but they wait in different collectives ({where}): a bug "
                     "(mismatched collectives), please report it"), False
         who = "; ".join(_peer_text(r, peers.get(r, {})) for r in silent)
@@ -152,7 +153,19 @@ class Watchdog:
         if line:
             print(f"{self.prog}: error: {line}", file=sys.stderr, flush=True)
         self.record_exit("timeout")
+        self.kill_stopped()
         os._exit(EXIT_LOST_RANK)
+
+    def kill_stopped(self) -> None:
+        """SIGKILL the silent peers of this host that are stopped (SIGSTOP): they cannot act on the launcher's
+        SIGTERM, which torch elastic follows with SIGKILL only 30 s later (a fixed wait)."""
+        import signal
+        for r, rec in self.peers().items():
+            if r != self.rank and _proc_state(rec) == "stopped":
+                try:
+                    os.kill(rec["pid"], signal.SIGKILL)
+                except OSError:
+                    pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -178,13 +191,15 @@ def _proc_state(rec: dict) -> str | None:
             state = f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "gone"
-    return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
+    return {"Z": "gone", "X": "gone", "T": "stopped", "t": "traced"}.get(state, "running")
 
 
 def _peer_text(r: int, rec: dict) -> str:
     if not rec:
         return f"rank {r} never sent a heartbeat"
-    where = f"last heard {rec['age']:.0f}s ago in {rec.get('phase') or 'no collective yet'} at step {rec.get('step')}"
-    state = {"gone": "is gone (its process exited)", "stopped": "is stopped (SIGSTOP / job control)"}.get(
+    where = (f"last heard {rec['age']:.0f}s ago in {rec.get('phase') or 'no collective yet'} of step "
+             f"{rec.get('step', -1) + 1}")
+    state = {"gone": "is gone (its process exited)", "stopped": "is stopped (SIGSTOP; killed now)",
+             "traced": "is held by a debugger"}.get(
         _proc_state(rec), "is not responding (stopped, hung or dead)")
     return f"rank {r} (pid {rec.get('pid')} on {rec.get('host')}) {state}, {where}"
