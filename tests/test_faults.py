@@ -76,6 +76,7 @@ def _weights(out):
     return load_file(os.path.join(out, "model.safetensors"))
 
 
+@pytest.mark.slow  # 4 launches; the stopped-rank launch below is the default run's end-to-end representative
 def test_sigterm_and_oom_then_resume_equal_an_unbroken_run(toy, tmp_path):
     ref = tmp_path / "ref"
     rc, log = _run(toy, ref)
@@ -97,7 +98,7 @@ def test_sigterm_and_oom_then_resume_equal_an_unbroken_run(toy, tmp_path):
     for part in ("--seq-length 128", "--parallel_mode zigzag_ring_attn", "sp 2 x dp 1", "--checkpointing layer",
                  "no --chunked-loss", "plan suggests --seq-length 128", "python -m easy_context plan --model"):
         assert part in lines[0], (part, lines[0])
-    assert "Traceback" not in log.split("ChildFailedError")[0], log[-4000:]  # only the launcher's own summary
+    assert "train.py\", line" not in log and "OutOfMemoryError" not in log, log[-4000:]  # no worker traceback
     # 3. --resume to the end: the stitched curve and the final weights are the unbroken run's, bit for bit
     rc, log = _run(toy, out, *flags, "--resume")
     assert rc == 0 and "resumed from" in log and "step-0000003" in log, log[-4000:]

@@ -237,6 +237,9 @@ def crash_point(where: str, step: int) -> None:
 
 def load_checkpoint(accelerator, path: str) -> dict:
     """Restore model/optimizer/scheduler/RNG from ``path``; returns train_state.json (``step``, ``data``)."""
+    from ..phase import TRACKER
     accelerator.load_state(path)
     with open(os.path.join(path, "train_state.json")) as f:
-        return json.load(f)
+        state = json.load(f)
+    TRACKER.step = state["step"]  # the fault reports count steps from here
+    return state

@@ -65,11 +65,12 @@ class Guard:
             print(f"{PROG}: preempted ({signal.Signals(self.signal).name} received) after step {step}: "
                   f"checkpoint {path} written; rerun the same command with --resume to continue", file=sys.stderr,
                   flush=True)
-        self.close()
+        if self.watchdog:  # the signal handlers stay: a late SIGTERM (the launcher's) must not cut the teardown
+            self.watchdog.close()
         self.accelerator.end_training()
         if dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(EXIT_PREEMPTED)
+        _leave(None, "", None, EXIT_PREEMPTED)  # no interpreter teardown, where Python resets SIGTERM to fatal
 
     def close(self) -> None:
         if self.watchdog:
