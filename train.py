@@ -141,7 +141,7 @@ def train(args):
     bar = tqdm(total=args.max_train_steps, initial=start, disable=not accelerator.is_local_main_process,
                desc="train", dynamic_ncols=True)
     model.train()
-    guard = Guard(args, accelerator)  # SIGTERM/SIGUSR1 -> checkpoint + exit 75; a silent rank -> exit 4
+    guard = Guard(args, accelerator, model)  # SIGTERM/SIGUSR1 -> checkpoint + exit 75; a silent rank -> exit 4
 
     # 4. Train.
     for step in range(start, args.max_train_steps):

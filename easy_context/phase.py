@@ -25,6 +25,12 @@ class Tracker:
 TRACKER = Tracker()
 
 
+def tick(*_) -> None:
+    """Progress without a collective (a forward hook on every decoder layer): long compute between collectives
+    (data_parallel's forward + backward, a layer's MLP) is not mistaken for a hang."""
+    TRACKER.changed = time.monotonic()
+
+
 @contextlib.contextmanager
 def phase(name: str):
     t = TRACKER

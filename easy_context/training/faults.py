@@ -30,12 +30,16 @@ _active: list = []  # the Guard of this process (handle_fault reads it; per proc
 
 
 class Guard:
-    def __init__(self, args, accelerator):
+    def __init__(self, args, accelerator, model=None):
         self.args, self.accelerator = args, accelerator
         self.preemption = Preemption()
         world = accelerator.num_processes
         self.watchdog = Watchdog(accelerator.process_index, world, args.timeout, PROG) if world > 1 else None
         if self.watchdog:
+            from ..phase import tick
+            for m in (model.modules() if model is not None else ()):  # recomputed in backward under checkpointing
+                if type(m).__name__.endswith("DecoderLayer"):
+                    m.register_forward_pre_hook(tick)
             self.watchdog.arm()
         _active[:] = [self]
 
