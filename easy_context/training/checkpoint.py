@@ -111,9 +111,9 @@ def _agree_failed(accelerator, failed: bool) -> bool:
     """Whether any rank failed (one all-reduce), so every rank takes the same branch and none waits forever."""
     import torch
     import torch.distributed as dist
-    if accelerator.num_processes == 1 or not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return failed
-    flag = torch.tensor([float(failed)], device=accelerator.device)
+    flag = torch.tensor([float(failed)], device=getattr(accelerator, "device", "cpu"))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
