@@ -214,3 +214,30 @@ def test_oom_message_without_a_gpu(tmp_path):
     assert msg.startswith("out of GPU memory at step 7 (--seq-length 262144, --parallel_mode zigzag_ring_attn, "
                           "sp 8 x dp 1"), msg
     assert "plan suggests --seq-length 262144" in msg and "--gpus 8" in msg, msg
+
+
+def test_watchdog_names_the_silent_rank(monkeypatch):
+    """The report logic on a real TCPStore (in process): a dead peer, a peer that explained itself, a desync."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from easy_context.training.watchdog import Watchdog
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))  # noqa: F841
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dog = Watchdog(0, 2, 10.0)
+    dog.close()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    beat = {"t": time.time() - 30, "phase": "all-to-all", "step": 6, "pid": int(dead.stdout), "host": socket.gethostname()}
+    dog.store.set(dog.keys("hb", 1), json.dumps(beat))
+    line, _ = dog.describe("no progress")
+    assert line.startswith("no progress (rank 0 in ") and f"rank 1 (pid {beat['pid']} on {beat['host']}) is gone" in line
+    assert "last heard 30s ago in all-to-all of step 7" in line, line
+    dog.store.set(dog.keys("hb", 1), json.dumps({**beat, "t": time.time(), "pid": os.getpid()}))  # alive, elsewhere
+    line, _ = dog.describe("no progress")
+    assert "every rank is alive but they wait in different collectives" in line and "rank 1 in all-to-all" in line
+    dog.store.set(dog.keys("exit", 1), "out of memory")  # it printed its own line: this rank stays quiet
+    assert dog.describe("no progress") == (None, True)

@@ -97,7 +97,9 @@ def handle_fault(e: BaseException, args) -> None:
     comm = isinstance(e, dist.DistError) or TRACKER.failed is not None
     if dog is not None and comm and isinstance(e, RuntimeError):
         where = TRACKER.failed or TRACKER.last or "a collective"
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        import re
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:160]  # gloo: "[file:line] Read error ..."
         line, found = dog.lost_peer(f"a peer was lost during {where} ({first})")
         if found:  # else no peer is missing: a bug in this rank, keep its traceback
             _leave(dog, "lost a peer", line, EXIT_LOST_RANK)
