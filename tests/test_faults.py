@@ -231,10 +231,12 @@ def test_watchdog_names_the_silent_rank(monkeypatch):
     dog = Watchdog(0, 2, 10.0)
     dog.close()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    beat = {"t": time.time() - 30, "phase": "all-to-all", "step": 6, "pid": int(dead.stdout), "host": socket.gethostname()}
+    beat = {"t": time.time() - 30, "phase": "all-to-all", "step": 6, "pid": int(dead.stdout),
+            "host": socket.gethostname()}
     dog.store.set(dog.keys("hb", 1), json.dumps(beat))
     line, _ = dog.describe("no progress")
-    assert line.startswith("no progress (rank 0 in ") and f"rank 1 (pid {beat['pid']} on {beat['host']}) is gone" in line
+    assert line.startswith("no progress (rank 0 in "), line
+    assert f"rank 1 (pid {beat['pid']} on {beat['host']}) is gone" in line, line
     assert "last heard 30s ago in all-to-all of step 7" in line, line
     dog.store.set(dog.keys("hb", 1), json.dumps({**beat, "t": time.time(), "pid": os.getpid()}))  # alive, elsewhere
     line, _ = dog.describe("no progress")
