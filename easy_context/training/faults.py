@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import sys
 
 from ..phase import TRACKER
@@ -59,9 +60,9 @@ class Guard:
 
     def exit_if(self, preempted: bool, step: int) -> None:
         """After the checkpoint of ``step``: say so (once), tear down cleanly, exit EXIT_PREEMPTED on every rank."""
-        import signal
         if not preempted:
             return
+        import signal
 
         import torch.distributed as dist
         path = latest_checkpoint(self.args.output_dir)
@@ -75,11 +76,6 @@ class Guard:
         if dist.is_initialized():
             dist.destroy_process_group()
         _leave(None, "", None, EXIT_PREEMPTED)  # no interpreter teardown, where Python resets SIGTERM to fatal
-
-    def close(self) -> None:
-        if self.watchdog:
-            self.watchdog.close()
-        self.preemption.restore()
 
 
 def handle_fault(e: BaseException, args) -> None:
@@ -97,7 +93,6 @@ def handle_fault(e: BaseException, args) -> None:
     comm = isinstance(e, dist.DistError) or TRACKER.failed is not None
     if dog is not None and comm and isinstance(e, RuntimeError):
         where = TRACKER.failed or TRACKER.last or "a collective"
-        import re
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:160]  # gloo: "[file:line] Read error ..."
         line, found = dog.lost_peer(f"a peer was lost during {where} ({first})")
@@ -136,6 +131,10 @@ def oom_message(args, step: int) -> str:
         opts.append(f"DeepSpeed ZeRO-{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '?')}")
     cmd = (f"python -m easy_context plan --model {args.model} --seq-length {args.seq_length} --gpus {local}"
            + (f" --nodes {world // local}" if world > local else ""))
+    import torch
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        opts.append(f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} of {total / 2**30:.0f} GiB allocated")
     return (f"out of GPU memory at step {step + 1} ({', '.join(opts)}); {plan_suggestion(args, world, local)} "
             f"(see: {cmd})")
 
