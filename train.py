@@ -26,6 +26,7 @@ import time
 
 from easy_context.training.args import parse_args
 from easy_context.training.errors import UsageError, fail
+from easy_context.training.faults import Guard, handle_fault
 from easy_context.training.run_dir import exit_with_parent
 
 
@@ -39,6 +40,8 @@ def main(argv=None):
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # a clean exit code instead of a gloo abort
         fail(str(e), code=getattr(e, "code", 2))
+    except Exception as e:  # out of memory, a lost rank, a failed checkpoint write: one line + exit status (faults.py)
+        handle_fault(e, args)
 
 
 def train(args):
@@ -112,6 +115,7 @@ def train(args):
     bar = tqdm(total=args.max_train_steps, initial=start, disable=not accelerator.is_local_main_process,
                desc="train", dynamic_ncols=True)
     model.train()
+    guard = Guard(args, accelerator, model)  # SIGTERM/SIGUSR1 -> checkpoint + exit 75; a silent rank -> exit 4
 
     # 4. Train.
     for step in range(start, args.max_train_steps):
@@ -149,10 +153,13 @@ def train(args):
         if due(args, step + 1):  # held-out token-mean loss, same sp layout (after the timing above)
             row["eval_loss"] = eval_loss(model, unwrapped, eval_rows, layout, args, accelerator.device)
         report(row, log, bar, accelerator, args.wandb)
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.max_train_steps:
+        preempted = guard.stop_requested(step + 1)  # a signal on any rank (one all-reduce): all save, then exit
+        if preempted or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0
+                         and step + 1 < args.max_train_steps):
             ckpt.save_checkpoint(accelerator, args.output_dir, step + 1, args.keep_checkpoints,
                                  {"data": loader.state_dict()}, run_id=run_id)
         ckpt.crash_point("step", step + 1)  # no-op unless the tests ask for a crash
+        guard.exit_if(preempted, step + 1)
     bar.close()
 
     # 5. Final model: HF safetensors + tokenizer (or the LoRA adapter), RoPE theta (--save-rope-theta) in config.json.

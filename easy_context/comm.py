@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .phase import phase
+
 
 def _in_process(group) -> bool:
     return group is not None and getattr(group, "in_process", False) is True
@@ -63,11 +65,13 @@ class RingComm:
     def commit(self) -> None:
         if self._reqs is not None:
             raise RuntimeError("RingComm.commit called twice without wait")
-        self._reqs = dist.batch_isend_irecv(self._ops) if self._ops else []
+        with phase("ring step"):
+            self._reqs = dist.batch_isend_irecv(self._ops) if self._ops else []
 
     def wait(self) -> None:
-        for r in self._reqs or []:
-            r.wait()
+        with phase("ring step"):
+            for r in self._reqs or []:
+                r.wait()
         self._reqs, self._ops = None, []
 
 
@@ -79,7 +83,8 @@ def p2p_exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.
         return r if group is None else dist.get_global_rank(group, r)
     ops = [dist.P2POp(dist.isend, t.contiguous(), glob(p), group=group) for t, p in sends]
     ops += [dist.P2POp(dist.irecv, t, glob(p), group=group) for t, p in recvs]
-    return dist.batch_isend_irecv(ops) if ops else []
+    with phase("ring step (p2p)"):
+        return dist.batch_isend_irecv(ops) if ops else []
 
 
 def all_to_all_4d(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -> torch.Tensor:
@@ -92,7 +97,8 @@ def all_to_all_4d(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None
         return x
     inputs = [t.contiguous() for t in x.chunk(world, dim=scatter_dim)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(world)]
-    dist.all_to_all(outputs, inputs, group=group)
+    with phase("all-to-all"):
+        dist.all_to_all(outputs, inputs, group=group)
     return torch.cat(outputs, dim=gather_dim)
 
 

@@ -55,9 +55,12 @@ def default_chunk_size(vocab_size: int) -> int:
 def global_sum(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sum of ``x`` over the ranks of ``group`` (None = the world), detached; identity without a process group."""
     import torch.distributed as dist
+
+    from .phase import phase
     x = x.detach().clone()
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(x, group=group)
+        with phase("loss all-reduce"):
+            dist.all_reduce(x, group=group)
     return x
 
 

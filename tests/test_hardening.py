@@ -32,7 +32,8 @@ def _fails(fn, capsys, needle, code=2):
     (["--learning-rate", "nan"], "--learning-rate must be a finite number"),
     (["--learning-rate", "-1e-3"], "--learning-rate must be > 0, got -0.001"),
     (["--min-lr-ratio", "-5"], "--min-lr-ratio must be in [0, 1], got -5"),
-    (["--timeout", "0"], "--timeout must be > 0 seconds"),
+    (["--timeout", "0"], "--collective-timeout must be > 0 seconds"),
+    (["--collective-timeout", "2x"], "is not a duration"),
     (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
     (["--resume", "--overwrite-output-dir"], "pass one"),
 ])

@@ -121,9 +121,8 @@ def _sp_size(mode: Mode, groups) -> int:
     if all(g is None for g in given):
         return dist.get_world_size()
     size = 1
-    for g in given:
-        if g is not None:
-            size *= dist.get_world_size(g)
+    for g in given:  # None is the world (a layout binds a world-sized group as None: usp with ulysses 1)
+        size *= dist.get_world_size() if g is None else dist.get_world_size(g)
     return size
 
 

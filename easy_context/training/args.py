@@ -10,6 +10,15 @@ from .errors import UsageError, fail
 CHECKPOINTING = ("layer", "selective", "offload", "nested", "none")
 
 
+def duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``10m`` or ``1.5h``."""
+    scale = {"s": 1, "m": 60, "h": 3600}.get(text[-1:].lower(), None)
+    try:
+        return float(text[:-1] if scale else text) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 90s, 10m, 1h)") from None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear line instead of usage + error
         fail(message, prog=self.prog)
@@ -66,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-save-model", action="store_true", help="skip the final HF save (benchmarks)")
     a("--dataset-split", default="train")
     a("--log-file", default=None, help="per-step metrics as JSON lines (default: OUTPUT_DIR/metrics.jsonl)")
-    a("--timeout", type=float, default=1800, help="collective timeout in seconds")
+    a("--collective-timeout", "--timeout", dest="timeout", type=duration, default=600.0,
+      help="a collective waiting this long for a peer stops every rank, naming the silent rank and the phase "
+      "(docs/faults.md): 90s, 10m, 1h or plain seconds (default 10m; torch's own is 30m)")
     # memory options (easy_context.memory)
     a("--checkpointing", choices=CHECKPOINTING, default="layer",
       help="activation checkpointing: per layer (HF), selective (keep attention output), offload (kept layer "
@@ -97,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FLOAT_FLAGS = ("--learning-rate", "--rope-theta", "--rope-factor", "--min-lr-ratio", "--weight-decay",
-               "--max-grad-norm", "--save-rope-theta", "--timeout", "--lora-alpha", "--router-aux-loss-coef")
+               "--max-grad-norm", "--save-rope-theta", "--collective-timeout", "--timeout", "--lora-alpha",
+               "--router-aux-loss-coef")
 
 
 def _join_negative_numbers(argv: list[str]) -> list[str]:
@@ -149,7 +161,7 @@ def check_args(args) -> None:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for flag in FLOAT_FLAGS:
-        val = getattr(args, flag[2:].replace("-", "_"))
+        val = getattr(args, "timeout" if flag == "--collective-timeout" else flag[2:].replace("-", "_"))
         if val is not None and not math.isfinite(val):
             raise UsageError(f"{flag} must be a finite number, got {val}")
     for flag, val, ok, want in (
@@ -161,7 +173,7 @@ def check_args(args) -> None:
             ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm >= 0, ">= 0 (0 = no clipping)"),
             ("--router-aux-loss-coef", args.router_aux_loss_coef,
              args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0, ">= 0"),
-            ("--timeout", args.timeout, args.timeout > 0, "> 0 seconds")):
+            ("--collective-timeout", args.timeout, args.timeout > 0, "> 0 seconds")):
         if not ok:
             raise UsageError(f"{flag} must be {want}, got {val:g}")
     if args.warmup_steps < 0 or args.checkpoint_every < 0 or args.keep_checkpoints < 0:

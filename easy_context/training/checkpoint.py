@@ -4,6 +4,9 @@ A checkpoint is ``OUTPUT_DIR/checkpoints/step-XXXXXXX``. Every rank writes its s
 ``.tmp-step-XXXXXXX``; after a barrier the main process renames it, so a ``step-*`` directory is
 always complete and a kill mid-write leaves only a ``.tmp-*`` directory (removed at the next start)
 next to the previous, intact checkpoint. Multi-node runs need the output dir on a shared file system.
+A write that fails on any rank (disk full, quota, read-only) is agreed on by every rank: the temp dir is
+removed, the previous checkpoint stays the latest, and ``CheckpointWriteError`` says which path, how much space
+and what to do (train.py exits 74).
 
 Contents: ``accelerator.save_state`` (model, optimizer, LR scheduler — inside the DeepSpeed engine
 checkpoint under DeepSpeed — and every rank's Python/NumPy/torch RNG) plus ``train_state.json``
@@ -94,22 +97,125 @@ def replace_dir_contents(src: str, dst: str, last: str | None = None) -> None:
     _fsync_dir(dst)
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (disk full, quota, read-only, permissions); the previous one is intact.
+    ``local``: this rank's own write failed (it prints the reason); otherwise a peer's did."""
+    code = 74  # EX_IOERR
+
+    def __init__(self, msg: str, local: bool):
+        super().__init__(msg)
+        self.local = local
+
+
+def _agree_failed(accelerator, failed: bool) -> bool:
+    """Whether any rank failed (one all-reduce), so every rank takes the same branch and none waits forever."""
+    import torch
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([float(failed)], device=getattr(accelerator, "device", "cpu"))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _write_error(e: Exception, final: str, output_dir: str) -> str:
+    """Which path, how much space, what to do."""
+    import errno
+    target = getattr(e, "filename", None) or final
+    try:
+        du = shutil.disk_usage(ckpt_root(output_dir))
+        space = f"{_size(du.free)} free of {_size(du.total)} there"
+    except OSError:
+        space = "free space unknown"
+    prev = latest_checkpoint(output_dir)
+    need = ""
+    if prev:
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(prev) for f in fs)
+        need = f", the last checkpoint took {_size(size)}"
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    code = getattr(e, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        fix = "Free space (or raise the quota), or lower --keep-checkpoints"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "Make the directory writable"
+    else:
+        fix = "Check the file system"
+    kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
+    return (f"cannot write checkpoint {final}: {why} ({target}; {space}{need}); nothing was kept of it and "
+            f"{kept}. {fix}, then rerun with --resume")
+
+
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extra: dict | None = None,
                     run_id: str | None = None) -> str:
-    """Save, then keep the newest ``keep`` checkpoints *of this run* (other runs' are never touched)."""
+    """Save, then keep the newest ``keep`` checkpoints *of this run* (other runs' are never touched).
+
+    Written into ``.tmp-step-*`` and renamed when every rank's part is on disk. A write that fails on any rank
+    (disk full, quota, read-only) is agreed on by all ranks: the temp dir is removed, the previous checkpoint
+    stays the latest, and every rank raises ``CheckpointWriteError``."""
+    from ..phase import phase
     from .run_dir import run_of, write_manifest
     final = os.path.join(ckpt_root(output_dir), f"step-{step:07d}")
-    if accelerator.is_main_process:
-        os.makedirs(ckpt_root(output_dir), exist_ok=True)
-    with atomic_dir(final, accelerator.is_main_process, accelerator.wait_for_everyone) as tmp:
+    parent, name = os.path.split(final)
+    tmp = os.path.join(parent, f".tmp-{name}")
+    main = accelerator.is_main_process
+
+    def attempt(fn) -> None:
+        import torch.distributed as dist
+        err = None
+        try:
+            fn()
+        except dist.DistError:
+            raise  # a peer is gone: not a write error (the fault guard names it)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            err = e
+        with phase("checkpoint"):
+            failed = _agree_failed(accelerator, err is not None)
+        if failed:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(_write_error(err, final, output_dir) if err else
+                                       "another rank could not write its part of the checkpoint", err is not None)
+
+    def start():
+        if main:
+            os.makedirs(parent, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+
+    def shards():
         accelerator.save_state(tmp)
+        if injected("disk_full", step):  # fault injection for the tests: the disk fills mid-write
+            import errno
+            with open(os.path.join(tmp, "partial.bin"), "wb") as f:
+                f.write(b"x" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(tmp, "partial.bin"))
         crash_point("checkpoint", step)  # fault injection for the tests: die mid-write
-        accelerator.wait_for_everyone()  # every rank's shards are written before the manifest lists them
-        if accelerator.is_main_process:
+
+    def state():
+        if main:  # after every rank's shards are written (the agreement above), so the manifest lists them all
             with open(os.path.join(tmp, "train_state.json"), "w") as f:
                 json.dump({"step": step, "run_id": run_id, **(extra or {})}, f)
             write_manifest(tmp)  # sizes + checksums, checked by --resume
-    if accelerator.is_main_process and keep > 0:
+
+    with phase("checkpoint"):
+        attempt(start)
+        attempt(shards)
+        attempt(state)
+        if main:
+            old = None
+            if os.path.exists(final):  # re-saving the same step: move the old one aside first
+                old = os.path.join(parent, f".tmp-old-{name}")
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync_dir(parent)
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+    if main and keep > 0:
         mine = [p for _, p in list_checkpoints(output_dir) if run_of(p) in (run_id, None)]
         for path in mine[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
@@ -117,14 +223,23 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
     return final
 
 
+def injected(where: str, step: int) -> bool:
+    """Test hook: EASY_CONTEXT_CRASH is ``where:step`` or ``where:step:rank`` (that global rank only)."""
+    spec = os.environ.get("EASY_CONTEXT_CRASH", "").split(":")
+    return spec[:2] == [where, str(step)] and (len(spec) < 3 or spec[2] == os.environ.get("RANK", "0"))
+
+
 def crash_point(where: str, step: int) -> None:
-    """Test hook: SIGKILL this process at ``where`` of ``step`` when EASY_CONTEXT_CRASH=where:step."""
-    if os.environ.get("EASY_CONTEXT_CRASH") == f"{where}:{step}":
+    """Test hook: SIGKILL this process at ``where`` of ``step`` when EASY_CONTEXT_CRASH=where:step[:rank]."""
+    if injected(where, step):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def load_checkpoint(accelerator, path: str) -> dict:
     """Restore model/optimizer/scheduler/RNG from ``path``; returns train_state.json (``step``, ``data``)."""
+    from ..phase import TRACKER
     accelerator.load_state(path)
     with open(os.path.join(path, "train_state.json")) as f:
-        return json.load(f)
+        state = json.load(f)
+    TRACKER.step = state["step"]  # the fault reports count steps from here
+    return state

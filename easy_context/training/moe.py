@@ -36,7 +36,9 @@ def router_aux_loss(router_logits, config) -> tuple[torch.Tensor, float]:
         rows += p.shape[0]
     stats = torch.cat([counts, probs.detach(), torch.tensor([float(rows)], device=counts.device)])
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stats)  # every rank's tokens: sp shards and dp rows alike
+        from ..phase import phase
+        with phase("MoE aux-loss all-reduce"):
+            dist.all_reduce(stats)  # every rank's tokens: sp shards and dp rows alike
     g_counts, g_probs, n = stats[:e], stats[e:2 * e], stats[-1].clamp(min=1)
     share = e * torch.sum(g_counts / n * probs / n)
     return share, float(e * torch.sum(g_counts / n * g_probs / n))

@@ -36,6 +36,8 @@ def make_accelerator(args):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    from .watchdog import backstop_timeout
+
     # DeepSpeed's ZeRO-3 calls torch's deprecated all_gather_into_tensor / reduce_scatter_tensor, and something in
     # every step enters warnings.catch_warnings, which resets the once-per-location registry: the FutureWarning
     # was printed on every call (over 4000 lines in a 4-minute CPU demo). Not ours to fix; hidden by message only.
@@ -45,7 +47,8 @@ def make_accelerator(args):
     return Accelerator(
         gradient_accumulation_steps=args.gradient_accumulate_every, step_scheduler_with_optimizer=False,
         log_with="wandb" if args.wandb else None,
-        kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))])
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(
+            seconds=backstop_timeout(args.timeout)))])  # our watchdog names the silent rank first
 
 
 def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, router: list | None = None):

@@ -26,3 +26,5 @@ class Case:
     batch: int = 2
     packed: bool = False
     seed: int = 0
+    lora: int = 0             # LoRA rank on every linear layer (0 = off); B initialised non-zero
+    moe_aux: float = 0.0      # MoE router load-balancing loss coefficient (0 = off)

@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="exit status: 0 pass, 1 mismatch beyond tolerance, 2 usage error")
-    p.add_argument("--model", required=True, help="model directory or config.json (only the config is read)")
+    p.add_argument("--model", help="model directory or config.json (only the config is read); not with --matrix")
     p.add_argument("--parallel_mode", "--parallel-mode", dest="mode", default=DEFAULT_MODE,
                    help=f"one of {', '.join(mode_names())} (default {DEFAULT_MODE})")
     p.add_argument("--world", type=int, default=2, help="number of CPU ranks (gloo) = dp x sp (default 2)")
@@ -53,12 +53,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="self-test only: break the set-up on purpose so the check must FAIL. "
                         "ring_degree_mismatch: inputs sharded for one usp ring degree, attention run with "
                         f"another; theta_mismatch: the sp model's RoPE theta is x{THETA_INJECT_FACTOR:g}")
+    m = p.add_argument_group("parity matrix (--matrix: every family x mode x feature; matrix.py)")
+    m.add_argument("--matrix", action="store_true", help="run the exactness check over families x sp modes x "
+                   "features on --world ranks (default 4) and write OUT.md + OUT.csv (the README's parity matrix)")
+    m.add_argument("--families", default=None, help="comma-separated subset (default: every supported family)")
+    m.add_argument("--modes", default=None, help="comma-separated subset of the sp modes (default: all four)")
+    m.add_argument("--features", default=None,
+                   help="comma-separated subset of base, packed, window, lora, moe_aux, rope_yarn, rope_dynamic")
+    m.add_argument("--out", default="docs/parity-matrix", help="output path without extension")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.matrix:
+            from .matrix import main_matrix
+            if args.world == 2 and "--world" not in (argv if argv is not None else sys.argv):
+                args.world = 4  # usp_attn as a real hybrid (ring 2 x ulysses 2)
+            if args.timeout == 600.0:
+                args.timeout = 3600.0
+            return main_matrix(args)
+        if args.model is None:
+            raise CheckUsageError("--model is required (or --matrix)")
         case, info = plan_case(args)
     except CheckUsageError as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)

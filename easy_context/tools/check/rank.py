@@ -76,10 +76,32 @@ def _grads(model) -> dict:
             for n, p in model.named_parameters()}
 
 
-def reference_step(model, input_ids, position_ids, target_ids, packed: bool):
-    """One process, full rows (each packed document on its own): logits, token-mean loss, grads."""
+def add_lora(model, case):
+    """LoRA (rank ``case.lora``) on every linear layer, as train.py does after the sp patch; A and B drawn from
+    ``case.seed`` so the adapter changes the output (PEFT starts B at zero) and both sides hold the same one."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(model, LoraConfig(r=case.lora, lora_alpha=2 * case.lora, lora_dropout=0.0,
+                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(case.seed + 5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def reference_step(model, input_ids, position_ids, target_ids, packed: bool, moe_aux: float = 0.0):
+    """One process, full rows (each packed document on its own): logits, token-mean loss, grads.
+    ``moe_aux``: plus that times the model's own router load-balancing loss (Hugging Face's ``aux_loss``)."""
     import torch
     model.zero_grad(set_to_none=True)
+    if moe_aux:
+        out = model(input_ids, position_ids=position_ids, use_cache=False, output_router_logits=True)
+        ce, n = token_nll_sum(out.logits, target_ids)
+        loss = ce / n + moe_aux * out.aux_loss
+        loss.backward()
+        return out.logits.detach(), loss.detach(), _grads(model)
     if packed:
         rows = []
         for b in range(input_ids.shape[0]):
@@ -168,6 +190,9 @@ def run_case(case, send=lambda payload: None) -> dict | None:
         send({"model_class": type(base).__name__, "n_params": sum(p.numel() for p in base.parameters()),
               "rope_ref": rope_info(ref), "rope_sp": rope_info(sp_model)})
     apply_seq_parallel_monkey_patch(case.mode, sp_model, layout=run_layout)
+    if case.lora:  # after the patch, as train.py does
+        sp_model = add_lora(sp_model, case)
+        ref = add_lora(ref, case) if root else None
 
     vocab = base.config.vocab_size
     input_ids, position_ids, target_ids = make_batch(case.batch, case.seq_len, vocab,
@@ -175,10 +200,14 @@ def run_case(case, send=lambda payload: None) -> dict | None:
     prepared = prepare_seq_parallel_inputs(case.mode, input_ids, position_ids, target_ids, layout.sp_rank,
                                            layout.sp, torch.device("cpu"), **layout.layout_kw)
     sp_model.zero_grad(set_to_none=True)
-    logits = sp_model(prepared["local_input_ids"], position_ids=prepared["local_position_ids"],
-                      use_cache=False).logits
+    out = sp_model(prepared["local_input_ids"], position_ids=prepared["local_position_ids"], use_cache=False,
+                   **({"output_router_logits": True} if case.moe_aux else {}))
+    logits = out.logits
     local_sum, local_n = token_nll_sum(logits, prepared["local_target_ids"])
     loss = local_sum / global_count(local_n, sp_group)  # the global token mean, whatever this rank holds
+    if case.moe_aux:  # this rank's share of the global load-balancing loss (train.py's, one all-reduce)
+        from easy_context.training.moe import router_aux_loss
+        loss = loss + case.moe_aux * router_aux_loss(out.router_logits, sp_model.config)[0]
     loss.backward()
     total = global_sum(loss, sp_group)
     gathered = [torch.empty_like(logits) for _ in range(layout.sp)]
@@ -190,7 +219,8 @@ def run_case(case, send=lambda payload: None) -> dict | None:
         return None
 
     full_logits = unshard_sequence(case.mode, gathered, dim=1, positions=position_ids, **layout.layout_kw)
-    ref_logits, ref_loss, ref_grads = reference_step(ref, input_ids, position_ids, target_ids, case.packed)
+    ref_logits, ref_loss, ref_grads = reference_step(ref, input_ids, position_ids, target_ids, case.packed,
+                                                     case.moe_aux)
     grad_diffs = {name: diff(grads[name], ref_grads[name]) for name in ref_grads}
     docs = [int((position_ids[b] == 0).sum()) for b in range(position_ids.shape[0])]
     return {"dp_rank": layout.dp_rank, "docs": docs,
