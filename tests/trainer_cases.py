@@ -42,10 +42,10 @@ def lora_config():
 
 
 def common_args(out: str, ga: int = GA, **kw) -> dict:
-    return dict(output_dir=out, max_steps=STEPS, per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                gradient_accumulation_steps=ga, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, data_seed=0,
-                disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0, **kw)
+    return {**dict(output_dir=out, max_steps=STEPS, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                   gradient_accumulation_steps=ga, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                   logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, data_seed=0,
+                   disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0), **kw}
 
 
 def make_trainer(kind: str, tok_dir: str, out: str, lora: bool = False, ga: int = GA, eval_rows: int = 0,
