@@ -253,3 +253,26 @@ def test_trainers_more_modes(assets, world_size, tmp_path):
         refs = {**refs, **json.load(f)}
     run_ranks(_world, world_size=world_size, args=(tok, root, refs, SLOW_CASES[world_size], []),
               timeout=900, collective_timeout=120)
+
+
+ENGINES = {  # Trainer settings of the engines (CPU: gloo)
+    "zero3": dict(deepspeed={"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+                             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                             "train_batch_size": "auto"}, ddp_backend="gloo"),
+    "fsdp2": dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, ddp_backend="gloo"),
+}
+
+
+def _engine(rank, world_size, tok, root, refs, engine):
+    from tests import trainer_cases as tc
+    got = tc.run("trainer", tok, os.path.join(root, f"w{world_size}-{engine}"),
+                 sp={"mode": "zigzag_ring_attn", "chunked_loss": True}, **ENGINES[engine])
+    _close(got, refs["trainer"], f"Trainer + {engine} + zigzag_ring_attn + chunked loss on {world_size} ranks")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_trainer_deepspeed_zero3_and_fsdp2(assets, engine):
+    """The Trainer's own DeepSpeed ZeRO-3 / FSDP2 wrapping (first ZeRO-3 run JIT-builds DeepSpeed's CPU ops)."""
+    tok, root, refs = assets
+    run_ranks(_engine, world_size=2, args=(tok, root, refs, engine), timeout=900, collective_timeout=300)
