@@ -65,10 +65,13 @@ def test_options_errors():
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """The tokenizer (with a chat template) and the one-process reference curves."""
+    import time
     from easy_context.training.toy import build_tokenizer, make_corpus
     root = tmp_path_factory.mktemp("integrations")
     tok = str(root / "tok")
+    t0 = time.time()
     build_tokenizer(make_corpus(200), tok)
+    _timing(0, "tokenizer", t0)
     refs = str(root / "refs.json")
     run_ranks(_references, world_size=1, args=(tok, str(root), refs), timeout=300)
     with open(refs) as f:
@@ -85,14 +88,19 @@ def _references(rank, world_size, tok, root, path, names=None):
     from tests import trainer_cases as tc
     table = {**REFERENCES, **SLOW_REFERENCES}
     out = {}
+    import time
     for name in names or REFERENCES:
         kind, lora, ga = table[name]
+        t0 = time.time()
         out[name] = tc.run(kind, tok, os.path.join(root, f"ref-{name}"), lora=lora, ga=ga,
                            eval_rows=4 if not lora and ga == 2 else 0)
+        _timing(rank, f"ref-{name}", t0)
     if names is None:  # the integration on one process (zigzag on 1 rank) is the plain trainer too
+        t0 = time.time()
         got = tc.run("sft", tok, os.path.join(root, "one-sft"), sp={"mode": "zigzag_ring_attn", "chunked_loss": True},
                      eval_rows=4)
         _close(got, out["sft"], "sft zigzag_ring_attn on 1 rank, chunked loss")
+        _timing(rank, "one-sft", t0)
     with open(path + ".tmp", "w") as f:
         json.dump(out, f)
     os.replace(path + ".tmp", path)
@@ -128,12 +136,24 @@ SLOW_CASES = {
 
 
 def _world(rank, world_size, tok, root, refs, cases, extras):
+    import time
     from tests import trainer_cases as tc
     for name, (ref, kind, sp, lora, ga, ev) in cases.items():
+        t0 = time.time()
         got = tc.run(kind, tok, os.path.join(root, f"w{world_size}-{name}"), sp=sp, lora=lora, ga=ga, eval_rows=ev)
         _close(got, refs[ref], f"{name} on {world_size} ranks")
+        _timing(rank, name, t0)
     for extra in extras:
+        t0 = time.time()
         globals()[extra](rank, world_size, tok, root, refs)
+        _timing(rank, extra, t0)
+
+
+def _timing(rank, name, t0):
+    import time
+    if rank == 0 and os.environ.get("EC_TEST_TIMES"):
+        with open(os.environ["EC_TEST_TIMES"], "a") as f:
+            f.write(f"{name} {time.time() - t0:.1f}s\n")
 
 
 def _resume(rank, world_size, tok, root, refs):
