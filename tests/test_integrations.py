@@ -45,6 +45,8 @@ def test_full_rows_errors_name_the_setting():
         full_rows({"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])}, 4)
     with pytest.raises(BatchError, match="multiple of 16.*pad_to_multiple_of"):
         full_rows({"input_ids": ids, "labels": ids}, 16, pad_to_multiple=False)
+    with pytest.raises(BatchError, match="packing_strategy='bfd'"):
+        full_rows({"input_ids": ids[:, :4], "labels": ids[:, :4], "position_ids": torch.tensor([[5, 6, 0, 1]] * 2)}, 4)
     with pytest.raises(BatchError, match="no 'labels'"):
         full_rows({"input_ids": ids}, 4)
     with pytest.raises(BatchError, match=r"\['pixel_values'\]"):
@@ -115,14 +117,17 @@ def _close(got: dict, ref: dict, what: str) -> None:
         assert d < TOL, f"{what}: eval_loss {got['eval_loss']} vs {ref['eval_loss']} ({d:.2e})"
 
 
-# case -> (reference, kind, sp options, lora, gradient accumulation, eval rows)
+# case -> (reference, kind, sp options, lora, gradient accumulation, eval rows[, more TrainingArguments])
 CASES = {
-    2: {"trainer_zigzag": ("trainer", "trainer", {"mode": "zigzag_ring_attn"}, False, 2, 4),
+    2: {"trainer_zigzag_offload_tiled": ("trainer", "trainer", {"mode": "zigzag_ring_attn", "checkpointing": "offload",
+                                                               "tiled_mlp": True}, False, 2, 4),
         "sft_zigzag_chunked": ("sft", "sft", {"mode": "zigzag_ring_attn", "chunked_loss": True}, False, 2, 4),
-        "trainer_ulysses": ("trainer", "trainer", {"mode": "ulysses_attn"}, False, 2, 0),
+        "trainer_ulysses_ckpt": ("trainer", "trainer", {"mode": "ulysses_attn"}, False, 2, 0,
+                                 {"gradient_checkpointing": True}),
         "sft_ulysses_lora": ("sft_lora", "sft", {"mode": "ulysses_attn"}, True, 2, 0)},
     4: {"trainer_usp": ("trainer", "trainer", {"mode": "usp_attn", "ring_degree": 2}, False, 2, 4),
-        "sft_usp_lora": ("sft_lora", "sft", {"mode": "usp_attn", "ring_degree": 2, "chunked_loss": True}, True, 2, 0)},
+        "sft_usp_lora": ("sft_lora", "sft", {"mode": "usp_attn", "ring_degree": 2, "chunked_loss": True}, True, 2, 0,
+                         {"gradient_checkpointing": True})},
 }
 SLOW_CASES = {
     2: {"trainer_zigzag_lora": ("trainer_lora", "trainer", {"mode": "zigzag_ring_attn"}, True, 2, 0),
@@ -138,9 +143,10 @@ SLOW_CASES = {
 def _world(rank, world_size, tok, root, refs, cases, extras):
     import time
     from tests import trainer_cases as tc
-    for name, (ref, kind, sp, lora, ga, ev) in cases.items():
+    for name, (ref, kind, sp, lora, ga, ev, *more) in cases.items():
         t0 = time.time()
-        got = tc.run(kind, tok, os.path.join(root, f"w{world_size}-{name}"), sp=sp, lora=lora, ga=ga, eval_rows=ev)
+        got = tc.run(kind, tok, os.path.join(root, f"w{world_size}-{name}"), sp=sp, lora=lora, ga=ga, eval_rows=ev,
+                     **(more[0] if more else {}))
         _close(got, refs[ref], f"{name} on {world_size} ranks")
         _timing(rank, name, t0)
     for extra in extras:
@@ -223,6 +229,24 @@ def _train_py_loop(rank, world_size, tok, root, refs):
     _close({"loss": curve}, refs["trainer"], f"train.py's loop on the Trainer's rows ({world_size} ranks)")
 
 
+def _mixin(rank, world_size, tok, root, refs):
+    """The mixin spelling: class SPTrainer(SeqParallelTrainerMixin, Trainer)(..., sequence_parallel={...})."""
+    from transformers import AutoTokenizer, DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    from easy_context.integrations import SeqParallelTrainerMixin
+    from tests import trainer_cases as tc
+
+    class SPTrainer(SeqParallelTrainerMixin, Trainer):
+        pass
+    tokenizer = AutoTokenizer.from_pretrained(tok)
+    t = SPTrainer(model=tc.tiny_model(len(tokenizer)),
+                  args=TrainingArguments(**tc.common_args(os.path.join(root, f"w{world_size}-mixin"))),
+                  train_dataset=tc.doc_dataset(tokenizer), data_collator=DataCollatorWithFlattening(),
+                  processing_class=tokenizer, sequence_parallel={"mode": "zigzag_ring_attn", "fused_ops": True})
+    t.train()
+    _close({"loss": tc.losses(t)}, refs["trainer"], f"SeqParallelTrainerMixin + fused ops on {world_size} ranks")
+
+
 def _errors(rank, world_size, tok, root, refs):
     """Settings that would break exactness: a ValueError naming them, on every rank, before any collective."""
     from transformers import DataCollatorForLanguageModeling
@@ -254,7 +278,7 @@ def _errors(rank, world_size, tok, root, refs):
 
 def test_trainers_two_ranks(assets):
     tok, root, refs = assets
-    run_ranks(_world, world_size=2, args=(tok, root, refs, CASES[2], ["_train_py_loop", "_resume", "_errors"]),
+    run_ranks(_world, world_size=2, args=(tok, root, refs, CASES[2], ["_train_py_loop", "_resume", "_mixin", "_errors"]),
               timeout=600, collective_timeout=120)
 
 

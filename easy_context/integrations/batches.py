@@ -52,6 +52,17 @@ def full_rows(batch: dict, multiple: int, pad_id: int = 0, pad_to_multiple: bool
         pos = torch.arange(n, device=ids.device).expand(b, n)
     elif tuple(pos.shape) != (b, n):
         raise BatchError(f"position_ids {tuple(pos.shape)} must match input_ids {(b, n)}")
+    else:  # documents as the attention reads them: start at 0, then +1 or a restart at 0 (train.py's rule)
+        ok = pos[:, 0] == 0
+        if n > 1:
+            step = pos[:, 1:]
+            ok = ok & ((step == 0) | (step == pos[:, :-1] + 1)).all(dim=1)
+        if not bool(ok.all()):
+            r = int((~ok).nonzero()[0])
+            raise BatchError(f"row {r} of the batch: position_ids {pos[r, :12].tolist()}... must start at 0 and, inside "
+                             "a document, increase by 1 (a new document restarts at 0); rows that start inside a "
+                             "document (e.g. trl packing_strategy='wrapped') are not exact under sequence "
+                             "parallelism: use packing_strategy='bfd'")
     if "shift_labels" in batch:
         tgt = batch["shift_labels"].clone()
     elif "labels" in batch:

@@ -183,6 +183,15 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
         from ..kernels import ENV_VAR
         os.environ[ENV_VAR] = opts.attn_backend
 
+    if opts.checkpointing not in (None, "none"):
+        # offload / nested / selective re-enter autograd in backward, which DDP's unused-parameter search counts
+        # twice ("marked ready twice"); the Trainer turns the search off for its own checkpointing the same way
+        if trainer.args.ddp_find_unused_parameters:
+            raise ValueError(f"checkpointing={opts.checkpointing!r} needs TrainingArguments."
+                             "ddp_find_unused_parameters=False (or unset)")
+        handler = getattr(trainer.accelerator, "ddp_handler", None)  # built at Trainer.__init__ from the args
+        if handler is not None:
+            handler.find_unused_parameters = False
     layout = ParallelLayout.build(opts.mode, sp_size=opts.sp_size, ring_degree=opts.ring_degree)  # collective
     if opts.mode != "data_parallel":
         apply_seq_parallel_monkey_patch(opts.mode, base, layout=layout)
