@@ -307,16 +307,23 @@ ENGINES = {  # Trainer settings of the engines (CPU: gloo)
 }
 
 
-def _engine(rank, world_size, tok, root, refs, engine):
+def _engine(rank, world_size, tok, root, refs, engine, lora):
     from tests import trainer_cases as tc
-    got = tc.run("trainer", tok, os.path.join(root, f"w{world_size}-{engine}"),
+    got = tc.run("trainer", tok, os.path.join(root, f"w{world_size}-{engine}-{lora}"), lora=lora,
                  sp={"mode": "zigzag_ring_attn", "chunked_loss": True}, **ENGINES[engine])
-    _close(got, refs["trainer"], f"Trainer + {engine} + zigzag_ring_attn + chunked loss on {world_size} ranks")
+    _close(got, refs["trainer_lora" if lora else "trainer"],
+           f"Trainer + {engine} + zigzag_ring_attn + chunked loss{' + LoRA' if lora else ''} on {world_size} ranks")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_trainer_deepspeed_zero3_and_fsdp2(assets, engine):
+def test_trainer_deepspeed_zero3_and_fsdp2(assets, engine, lora, tmp_path):
     """The Trainer's own DeepSpeed ZeRO-3 / FSDP2 wrapping (first ZeRO-3 run JIT-builds DeepSpeed's CPU ops)."""
     tok, root, refs = assets
-    run_ranks(_engine, world_size=2, args=(tok, root, refs, engine), timeout=900, collective_timeout=300)
+    if lora:
+        path = str(tmp_path / "lora_ref.json")
+        run_ranks(_references, world_size=1, args=(tok, root, path, ["trainer_lora"]), timeout=300)
+        with open(path) as f:
+            refs = {**refs, **json.load(f)}
+    run_ranks(_engine, world_size=2, args=(tok, root, refs, engine, lora), timeout=900, collective_timeout=300)
