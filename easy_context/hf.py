@@ -132,11 +132,15 @@ def _documents(seq_algo, groups, state, position_ids):
     hit = state.get("docs")
     if hit is not None and hit[0]() is position_ids and hit[1] == version:
         return hit[2]
-    global_pos = packing.gather_positions(seq_algo, position_ids, groups)
+    from .dispatch import DISPATCH_ATTR
+    dispatch = getattr(position_ids, DISPATCH_ATTR, None)  # the chunk table prepare_seq_parallel_inputs attached
+    global_pos = packing.gather_positions(seq_algo, position_ids, groups, dispatch)
     try:
         docs = packing.documents(global_pos)
+        if docs is not None:
+            docs.dispatch = dispatch
     except packing.PackedPositionsError as e:
-        if seq_algo in ("zigzag_ring_attn", "usp_attn") and packing.packed_rows(global_pos):
+        if dispatch is None and seq_algo in ("zigzag_ring_attn", "usp_attn") and packing.packed_rows(global_pos):
             raise packing.PackedPositionsError(
                 f"{e}. (Packed rows are sharded in the balanced k-pair zigzag layout, decided from the position "
                 "ids: cut every tensor with prepare_seq_parallel_inputs, or shard_sequence(..., positions="
