@@ -148,22 +148,23 @@ def test_dispatched_ring_covers_the_mask_once_and_sends_only_what_is_needed(wind
 def dispatch_body(rank, world_size):
     from easy_context import ParallelLayout
     from tests.model_equiv import check_model_equivalence
-    n = 1024 if world_size == 2 else 2048
-    c = 128
+    n, c = 1024, 128  # 8 tile-aligned chunks: m = 4 (W=2) / 2 (W=4) chunks per rank
     packings = {
         "docs longer than a chunk, 1-token docs": _positions([5, 1, 3 * c + 7, 1, c - 9, n - 4 * c - 5]),
         "one row one document, one packed": torch.stack([torch.arange(n), _positions([n - 300, 1, 299])[0]]),
     }
-    modes = [("zigzag_ring_attn", {}, {}), ("dist_flash_attn", {}, {})]
-    if world_size == 4:
+    one, two = packings.values()
+    if world_size == 2:
+        cases = [("zigzag_ring_attn", {}, {}, one), ("zigzag_ring_attn", {}, {}, two), ("dist_flash_attn", {}, {}, one)]
+    else:
         usp = ParallelLayout.build("usp_attn", ring_degree=2)
-        modes.append(("usp_attn", usp.layout_kw, usp.attn_groups()))
-    for mode, layout_kw, groups in modes:
-        for pos in packings.values():
-            d = plan_dispatch(pos, world_size if mode != "usp_attn" else 2)
-            assert d is not None and d.chunks >= 2 * d.world
-            check_model_equivalence(rank, world_size, mode, "llama", seq_len=n, batch=pos.shape[0],
-                                    layout_kw=layout_kw, groups=groups, position_ids=pos, labels_mask="random")
+        cases = [("dist_flash_attn", {}, {}, two), ("usp_attn", usp.layout_kw, usp.attn_groups(), one),
+                 ("usp_attn", usp.layout_kw, usp.attn_groups(), two)]
+    for mode, layout_kw, groups, pos in cases:
+        d = plan_dispatch(pos, world_size if mode != "usp_attn" else 2, per_rank=None)
+        assert d is not None and d.chunks >= 2 * d.world
+        check_model_equivalence(rank, world_size, mode, "llama", seq_len=n, batch=pos.shape[0],
+                                layout_kw=layout_kw, groups=groups, position_ids=pos, labels_mask="random")
     # sliding window (mistral) with packed rows, under the dispatch
     check_model_equivalence(rank, world_size, "zigzag_ring_attn", "mistral", seq_len=n, batch=1,
                             position_ids=next(iter(packings.values())), model_kw={"sliding_window": 200})
