@@ -113,7 +113,8 @@ def train(args):
     if not use_ds:
         accelerator.register_for_checkpointing(scheduler)
 
-    loader = make_loader(data, args.parallel_mode, layout, args.batch_size, args.seq_length, args.seed, accelerator)
+    loader = make_loader(data, args.parallel_mode, layout, args.batch_size, args.seq_length, args.seed, accelerator,
+                         balance=args.dp_balance)
 
     # 3. Resume: model, optimizer, scheduler, RNG and data position from the latest checkpoint.
     start = 0
