@@ -5,7 +5,7 @@ length differ by up to ~L x in attention work, and in synchronous data paralleli
 with the heaviest rows. Balancing dp ranks by sum L^2 is the idea of WLB-LLM (Wang et al. 2025), ByteScale and
 FlexSP; the scheme here is a small deterministic one of ours:
 
-  1. the epoch's rows in a seeded random order (seed + epoch; padded by wrapping to whole steps, as
+  1. the epoch's rows in a seeded random order (seed + epoch; the last step padded with other rows, as
      DistributedSampler pads);
   2. pools of POOL_STEPS steps (POOL_STEPS x dp x batch rows): rows sorted by cost, cut into steps of dp x batch
      rows of similar cost, each step dealt to the dp ranks largest first to the least loaded rank with room (LPT);
@@ -54,7 +54,6 @@ def balanced_order(costs: list[float], dp: int, batch: int, seed: int, epoch: in
     g = torch.Generator().manual_seed(seed + epoch)
     perm = torch.randperm(n, generator=g).tolist()
     steps_total = -(-n // per_step)
-    perm += [perm[i % n] for i in range(steps_total * per_step - n)]
     order: list[int] = []
     for p0 in range(0, steps_total, pool_steps):
         pool = perm[p0 * per_step:(p0 + pool_steps) * per_step]
@@ -62,6 +61,10 @@ def balanced_order(costs: list[float], dp: int, batch: int, seed: int, epoch: in
         steps = []
         for s in range(0, len(ranked), per_step):
             rows = [pool[i] for i in ranked[s:s + per_step]]
+            if len(rows) < per_step:  # the epoch's last step: padded with other rows (DistributedSampler pads too)
+                have = set(rows)
+                rows += ([r for r in perm if r not in have] + perm * per_step)[:per_step - len(rows)]
+                rows.sort(key=lambda r: -costs[r])
             load, slots = [0.0] * dp, [[] for _ in range(dp)]
             for r in rows:  # already sorted by cost, largest first
                 j = min((j for j in range(dp) if len(slots[j]) < batch), key=lambda j: (load[j], j))
