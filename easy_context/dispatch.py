@@ -54,6 +54,7 @@ class Dispatch:
     """``owners[r]``: global chunk ids held by rank r, in local (increasing) order; C chunks of ``length / C``."""
     length: int
     owners: tuple[tuple[int, ...], ...]
+    fingerprint: str = ""  # of the global positions it was planned for ("" = any): checked by the attention
     _rows: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
@@ -109,7 +110,7 @@ class Dispatch:
 
     def digest(self) -> int:
         """A 62-bit fingerprint of the table (compared across ranks in the position all-gather)."""
-        h = self.length * 1000003 + self.world
+        h = self.length * 1000003 + self.world + int(self.fingerprint[:12] or "0", 16)
         for own in self.owners:
             for g in own:
                 h = (h * 1000003 + g + 1) % (1 << 62)
@@ -266,6 +267,19 @@ def _key(positions: torch.Tensor) -> bytes:
     return bytes(pos.numpy().tobytes())
 
 
+def fingerprint(positions: torch.Tensor) -> str:
+    """A short hash of global positions (B, L): the attention checks that the table it was handed was planned for
+    the positions it gathers (a table of another batch of the same length would cut the sequence wrongly)."""
+    return hashlib_fingerprint(_key(positions))
+
+
+def check_fingerprint(dispatch: "Dispatch", positions: torch.Tensor, what: str) -> None:
+    if dispatch.fingerprint and dispatch.fingerprint != fingerprint(positions):
+        raise DispatchError(f"{what}: the dispatch table the local position ids carry was planned for other position "
+                            "ids (another batch?): pass the local tensors prepare_seq_parallel_inputs returned for "
+                            "this batch")
+
+
 def _plan(key, length, world, window, per_rank, positions) -> Dispatch:
     hit = _CACHE.get((key, world, window, per_rank))
     if hit is not None:
@@ -285,11 +299,16 @@ def _plan(key, length, world, window, per_rank, positions) -> Dispatch:
                 tried.append(predict(positions, world, m, window, owners=halves))
             prev = min(tried, key=lambda p: max(p.cost))
         best = min(tried, key=lambda p: (max(p.cost), p.per_rank))
-    out = Dispatch(length, best.owners)
+    out = Dispatch(length, best.owners, hashlib_fingerprint(key))
     if len(_CACHE) > 16:
         _CACHE.clear()
     _CACHE[(key, world, window, per_rank)] = out
     return out
+
+
+def hashlib_fingerprint(key: bytes) -> str:
+    import hashlib
+    return hashlib.blake2b(key, digest_size=8).hexdigest()
 
 
 _CACHE: dict = {}  # a batch's ids, positions and targets are sharded with the same positions: plan once

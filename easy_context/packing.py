@@ -262,9 +262,11 @@ def unshard_gathered(seq_algo: str, parts, dispatch=None, **kw) -> torch.Tensor:
     from .api import unshard_sequence
     from .sharding import layout_pairs
     if dispatch is not None:
-        from .dispatch import check_world
+        from .dispatch import check_fingerprint, check_world
         check_world(dispatch, len(parts), sum(p.shape[1] for p in parts), seq_algo)
-        return dispatch.unshard(parts, dim=1)
+        full = dispatch.unshard(parts, dim=1)
+        check_fingerprint(dispatch, full, seq_algo)
+        return full
     cat = torch.cat(parts, dim=1)
     return unshard_sequence(seq_algo, parts, dim=1, pairs=layout_pairs(cat, cat.shape[1], len(parts)), **kw)
 

@@ -196,6 +196,14 @@ def _bad_tables(rank, world_size, packings):
     bare = prep["local_position_ids"].clone()  # a copy drops the table
     with pytest.raises(DispatchError, match="carry no dispatch table"):
         model(prep["local_input_ids"], position_ids=bare, use_cache=False)
+    # every rank carries the same table, but one planned for another batch of the same length
+    other = _positions([700, 1, pos.shape[1] - 701])
+    stale = getattr(prepare_seq_parallel_inputs("zigzag_ring_attn", ids, other, None, rank, world_size, "cpu")
+                    ["local_position_ids"], DISPATCH_ATTR)
+    wrong = prep["local_position_ids"].clone()
+    setattr(wrong, DISPATCH_ATTR, stale)
+    with pytest.raises(DispatchError, match="planned for other position ids"):
+        model(prep["local_input_ids"], position_ids=wrong, use_cache=False)
 
 
 def test_dispatch_models_2_ranks():
