@@ -20,8 +20,8 @@ mirrored pairs per rank (2Wk chunks, k = ``sharding.zigzag_pairs(L, W)``, the de
 dense kernel calls a rank's ring makes (diagonal runs of >= 4 documents are one varlen launch with FA4, counted here
 per document). And the cost-balanced dispatch (easy_context/dispatch.py, the default for packed rows now): W*m chunks
 dealt by the solver, each rank's q rows against only the kv chunks they need, received point to point
-(dispatch_ring.py). ``kv_MB`` = kv bytes a rank receives in one fwd+bwd (k, v in bf16 twice, dk/dv fp32 once), the
-slowest/most loaded rank; ``vs_default`` = the default k-pair layout's slowest-rank time / this layout's.
+(dispatch_ring.py). ``kv_MB`` = kv bytes a rank receives in one fwd+bwd (k, v in bf16 twice, dk/dv once: fp32 on
+the ring, bf16 under the dispatch), min..max over ranks; ``vs_default`` = the default k-pair layout's slowest-rank time / this layout's.
 """
 from __future__ import annotations
 
@@ -109,16 +109,17 @@ def dispatch_layout(lens, L, world, per_rank=None):
     return d, DispatchPlan(docs, d)
 
 
-def kv_mb(tokens_recv, heads, dim, dkv_tokens=None):
-    """MB a rank receives in fwd+bwd: k and v (bf16) in the forward and again in the backward, dk/dv (fp32) once."""
+def kv_mb(tokens_recv, heads, dim, dkv_tokens=None, dkv_bytes=2):
+    """MB a rank receives in fwd+bwd: k and v (bf16) in the forward and again in the backward, dk/dv once (bf16 under
+    the dispatch: each partial is added once at its owner; fp32 on the ring, which sums from hop to hop)."""
     dkv_tokens = tokens_recv if dkv_tokens is None else dkv_tokens
-    return (2 * tokens_recv * 2 * heads * dim * 2 + dkv_tokens * 2 * heads * dim * 4) / 1e6
+    return (2 * tokens_recv * 2 * heads * dim * 2 + dkv_tokens * 2 * heads * dim * dkv_bytes) / 1e6
 
 
 def ring_kv_mb(L, world, heads, dim):
     """The ring's (zigzag / k pairs): W-1 visiting kv blocks of L/W rows, twice; dk/dv fp32 on W hops."""
     n = L // world
-    return kv_mb((world - 1) * n, heads, dim, world * n)
+    return kv_mb((world - 1) * n, heads, dim, world * n, dkv_bytes=4)
 
 
 def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=(None,), heads=32, dim=128):

@@ -12,8 +12,9 @@ directly src -> r; a step with nothing needed sends nothing and computes nothing
 it covers every q row, so it initialises the fp32 accumulators.
 
 Forward: step s+1's kv is posted (``p2p_exchange``) before step s is computed (overlap), one exchange in flight.
-Backward: the same kv exchange; the fp32 dk/dv a rank computes for src's chunks go straight back to src one step
-later (also overlapped), where they are added to src's own accumulators. Message order per peer pair is the step
+Backward: the same kv exchange; the dk/dv a rank computes for src's chunks go straight back to src one step later
+(also overlapped), in k's dtype -- the kernel's own output dtype, so nothing is lost: each partial is added once,
+into src's fp32 accumulators (the fixed ring must carry fp32 sums from hop to hop instead). Message order per peer pair is the step
 order on both sides, so every send meets its receive.
 """
 from __future__ import annotations
@@ -145,8 +146,8 @@ def dispatch_backward(dout, q, k, v, out, lse, softmax_scale, group=None, backen
         got = _wait(back)
         if got is not None:
             rows, bufs = got
-            dk.index_add_(1, rows, bufs[0])
-            dv.index_add_(1, rows, bufs[1])
+            dk.index_add_(1, rows, bufs[0].to(dk.dtype))
+            dv.index_add_(1, rows, bufs[1].to(dv.dtype))
 
     for s in range(1, world):
         bufs = _wait(pending)
@@ -160,14 +161,14 @@ def dispatch_backward(dout, q, k, v, out, lse, softmax_scale, group=None, backen
                 res = (None, torch.zeros_like(bufs[0]), torch.zeros_like(bufs[1]))
             if res[0] is not None:
                 dq += res[0]
-            sends = [(res[1].to(acc).contiguous(), src), (res[2].to(acc).contiguous(), src)]
+            sends = [(res[1].to(k.dtype).contiguous(), src), (res[2].to(v.dtype).contiguous(), src)]
         mine = plan.local_rows(dst, rank)  # dst computed grads of these rows of mine at this step
         recvs, got = [], None
         if mine is not None:
             mine = mine.to(k.device)
             shape = (k.shape[0], len(mine)) + tuple(k.shape[2:])
-            got = (mine, (torch.empty(shape, dtype=acc, device=k.device), torch.empty(shape, dtype=acc,
-                                                                                       device=k.device)))
+            got = (mine, (torch.empty(shape, dtype=k.dtype, device=k.device),
+                          torch.empty(shape, dtype=v.dtype, device=k.device)))
             recvs = [(got[1][0], dst), (got[1][1], dst)]
         land(back)
         back = (p2p_exchange(sends, recvs, group), got, sends)

@@ -212,3 +212,40 @@ def test_dispatch_models_2_ranks():
 
 def test_dispatch_models_4_ranks():
     run_ranks(dispatch_body, world_size=4, timeout=500)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_dispatched_attention_w8_in_process_matches_reference_and_moves_only_needed_kv(window):
+    """W=8 simulated ranks (threads, tests/sim_comm.py): dispatch_forward/backward of every rank vs float64
+    per-document attention on the whole row (out, lse, dq, dk, dv), and the kv rows sent are exactly the plan's."""
+    from easy_context import kernels
+    from easy_context.dispatch_ring import dispatch_backward, dispatch_forward
+    from tests.sim_comm import run_simulated
+    lengths = [1, 130, 3, 40, 200, 1, 9, 128, 0]
+    lengths = [n for n in lengths if n] + [512 - sum(lengths)]
+    pos = _positions(lengths)
+    d = plan_dispatch(pos, 8, per_rank=4, window=window)
+    docs = packing.documents(pos, window=window)
+    docs.dispatch = d
+    g = torch.Generator().manual_seed(2)
+    q, do = (torch.randn(1, 512, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 512, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    idx = torch.arange(512)
+    ro, rl = kernels.attn_forward(q, k, v, True, 0.3, "math", docs=docs.block(idx, idx))
+    rg = kernels.attn_backward(do, q, k, v, ro, rl, True, 0.3, "math", docs=docs.block(idx, idx))
+
+    def rank_fn(r, group):
+        loc = [d.shard(t, r) for t in (q, k, v, do)]
+        out, lse = dispatch_forward(*loc[:3], 0.3, group, "math", docs)
+        grads = dispatch_backward(loc[3], *loc[:3], out, lse, 0.3, group, "math", docs)
+        return out, lse, grads
+
+    res, sent = run_simulated(8, rank_fn)
+    assert_close(d.unshard([x[0] for x in res]), ro, 1e-10, "out")
+    assert_close(d.unshard([x[1] for x in res], dim=2), rl, 1e-10, "lse")
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert_close(d.unshard([x[2][i] for x in res]), rg[i], 1e-10, name)
+    plan = DispatchPlan(docs, d)
+    need = sum(plan.received_tokens(r) for r in range(8))
+    # forward: k and v of the needed rows; backward: them again, plus dk and dv back to their owners
+    assert sum(s[1] for s in sent) == 6 * need and need < 7 * 512, (need, sent)
