@@ -249,3 +249,15 @@ def test_dispatched_attention_w8_in_process_matches_reference_and_moves_only_nee
     need = sum(plan.received_tokens(r) for r in range(8))
     # forward: k and v of the needed rows; backward: them again, plus dk and dv back to their owners
     assert sum(s[1] for s in sent) == 6 * need and need < 7 * 512, (need, sent)
+
+
+def test_plan_reports_the_dispatch():
+    from easy_context.tools.plan.packed import layouts, packed_report, sample_row
+    pos = sample_row(65536, 1500, 1.5)
+    rows = layouts(pos, 8)
+    names = [r[0] for r in rows]
+    assert names[0].startswith("zigzag 16 chunks") and names[-1].startswith("dispatch")
+    ratio = [max(w) / (sum(w) / 8) for _, w, _ in rows]
+    assert ratio[-1] < ratio[0], ratio  # (m is the cost model's pick: short rows favour fewer kernel pieces)
+    text = packed_report(65536, 8, 32, 128, 600.0, 1500, 1.5)
+    assert "dispatch" in text and "ideal (sum / W)" in text
