@@ -124,13 +124,8 @@ def token_costs(positions: torch.Tensor, window: int | None = None) -> torch.Ten
     """(L,) float64: per global token, the keys it attends to (index in its document + 1, window-capped), summed over
     batch rows. Documents are runs between restarts at 0 (a first document not starting at 0 counts from the row
     start, as the attention does)."""
-    pos = positions.detach().to("cpu", torch.long).reshape(-1, positions.shape[-1])
-    n = pos.shape[1]
-    idx = torch.arange(n).expand_as(pos)
-    start = torch.where(pos == 0, idx, torch.zeros_like(idx))
-    start[:, 0] = 0
-    start = torch.cummax(start, dim=1).values
-    keys = (idx - start + 1).double()
+    start = _doc_start(positions)
+    keys = (torch.arange(start.shape[1]) - start + 1).double()
     if window is not None:
         keys = keys.clamp(max=window)
     return keys.sum(0)
@@ -160,23 +155,22 @@ def solve(costs: list[float], world: int, start=None) -> tuple[tuple[int, ...], 
             r = min((r for r in range(world) if len(owners[r]) < m), key=lambda r: (load[r], r))
             owners[r].append(i)
             load[r] += costs[i]
-    for _ in range(4 * n):  # swap refinement: the move that lowers the pair's max the most
+    cost_t = torch.tensor(costs, dtype=torch.float64)
+    for _ in range(4 * n):  # swap refinement: the swap off the most loaded rank that lowers the pair's max the most
         a = max(range(world), key=lambda r: (load[r], -r))
-        best = None
-        for b in range(world):
-            if b == a:
-                continue
-            for i in owners[a]:
-                for j in owners[b]:
-                    d = costs[i] - costs[j]
-                    if d <= 0:
-                        continue
-                    new = max(load[a] - d, load[b] + d)
-                    if new < load[a] - 1e-9 * max(1.0, load[a]) and (best is None or new < best[0]):
-                        best = (new, b, i, j)
-        if best is None:
+        others = [j for b in range(world) if b != a for j in owners[b]]
+        if not others:
             break
-        _, b, i, j = best
+        ia, jb = torch.tensor(owners[a]), torch.tensor(others)
+        rank_of_j = torch.tensor([b for b in range(world) if b != a for _ in owners[b]], dtype=torch.long)
+        d = cost_t[ia][:, None] - cost_t[jb][None, :]                                # (m, (W-1) m)
+        new = torch.maximum(load[a] - d, torch.tensor(load, dtype=torch.float64)[rank_of_j][None, :] + d)
+        new[d <= 0] = float("inf")
+        flat = int(torch.argmin(new))  # first minimum: deterministic
+        if not float(new.view(-1)[flat]) < load[a] - 1e-9 * max(1.0, load[a]):
+            break
+        i, j = owners[a][flat // len(others)], others[flat % len(others)]
+        b = int(rank_of_j[flat % len(others)])
         owners[a][owners[a].index(i)], owners[b][owners[b].index(j)] = j, i
         d = costs[i] - costs[j]
         load[a] -= d
@@ -221,21 +215,20 @@ class Prediction:
 
 
 def predict(positions: torch.Tensor, world: int, per_rank: int, window: int | None = None,
-            owners=None) -> Prediction:
-    """Solve (from the deal ``owners`` if given, else from scratch) and estimate each rank's work and kernel pieces for ``per_rank`` chunks a
-    rank. Pieces: one diagonal launch per rank, plus per q chunk one rectangle per other rank (or own earlier run)
+            owners=None, stats=None) -> Prediction:
+    """Solve (from the deal ``owners`` if given, else from scratch) and estimate each rank's work and kernel pieces
+    for ``per_rank`` chunks a rank. Pieces: one diagonal launch per rank, plus per q chunk one rectangle per rank
     holding earlier chunks of the document its first token lies in (within the window)."""
     length = positions.shape[-1]
     n = world * per_rank
     c = length // n
-    tok = token_costs(positions, window)
+    tok, start = stats if stats is not None else _stats(positions, window)
     costs = tok.view(n, c).sum(1).tolist()
     owners = solve(costs, world, owners)
     owner_of = [0] * n
     for r, own in enumerate(owners):
         for g in own:
             owner_of[g] = r
-    start = _doc_start(positions).min(0).values  # the earliest document start over batch rows, per token
     pieces = [1] * world
     for g in range(n):
         lo = int(start[g * c])
@@ -245,6 +238,11 @@ def predict(positions: torch.Tensor, world: int, per_rank: int, window: int | No
         pieces[owner_of[g]] += len({owner_of[h] for h in range(first, g)})
     work = [sum(costs[g] for g in own) + TOKEN_COST * c * len(own) for own in owners]
     return Prediction(per_rank, tuple(work), tuple(pieces), owners)
+
+
+def _stats(positions, window):
+    """(token costs (L,), earliest document start over batch rows per token (L,)): what every candidate reuses."""
+    return token_costs(positions, window), _doc_start(positions).min(0).values
 
 
 def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None,
@@ -270,7 +268,7 @@ def _key(positions: torch.Tensor) -> bytes:
 def fingerprint(positions: torch.Tensor) -> str:
     """A short hash of global positions (B, L): the attention checks that the table it was handed was planned for
     the positions it gathers (a table of another batch of the same length would cut the sequence wrongly)."""
-    return hashlib_fingerprint(_key(positions))
+    return _hash(_key(positions))
 
 
 def check_fingerprint(dispatch: "Dispatch", positions: torch.Tensor, what: str) -> None:
@@ -284,29 +282,31 @@ def _plan(key, length, world, window, per_rank, positions) -> Dispatch:
     hit = _CACHE.get((key, world, window, per_rank))
     if hit is not None:
         return hit
+    stats = _stats(positions, window)
     if per_rank is not None:
         if length % (world * per_rank):
             raise DispatchError(f"a row of {length} tokens does not split into {world} x {per_rank} equal chunks")
-        best = predict(positions, world, per_rank, window)
+        best = predict(positions, world, per_rank, window, stats=stats)
     else:
         # each finer cut is tried fresh and as a refinement of the coarser deal (chunks halved, then swapped only
         # where that lowers the slowest rank): the latter keeps neighbouring halves together (fewer kernel pieces)
         tried, prev = [], None
         for m in candidates(length, world):
-            tried.append(predict(positions, world, m, window))
+            here = [predict(positions, world, m, window, stats=stats)]
             if prev is not None and m == 2 * prev.per_rank:
                 halves = tuple(tuple(h for g in own for h in (2 * g, 2 * g + 1)) for own in prev.owners)
-                tried.append(predict(positions, world, m, window, owners=halves))
-            prev = min(tried, key=lambda p: max(p.cost))
+                here.append(predict(positions, world, m, window, owners=halves, stats=stats))
+            prev = min(here, key=lambda p: max(p.cost))
+            tried += here
         best = min(tried, key=lambda p: (max(p.cost), p.per_rank))
-    out = Dispatch(length, best.owners, hashlib_fingerprint(key))
+    out = Dispatch(length, best.owners, _hash(key))
     if len(_CACHE) > 16:
         _CACHE.clear()
     _CACHE[(key, world, window, per_rank)] = out
     return out
 
 
-def hashlib_fingerprint(key: bytes) -> str:
+def _hash(key: bytes) -> str:
     import hashlib
     return hashlib.blake2b(key, digest_size=8).hexdigest()
 
