@@ -210,6 +210,7 @@ def test_dispatch_models_2_ranks():
     run_ranks(dispatch_body, world_size=2, timeout=400)
 
 
+@pytest.mark.slow  # every mode at W=4 under the dispatch also runs in tests/test_packed.py's spawn (48 tokens)
 def test_dispatch_models_4_ranks():
     run_ranks(dispatch_body, world_size=4, timeout=500)
 
