@@ -134,17 +134,18 @@ def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=(None,), he
         lens = doc_lengths(L, median, sigma)
         docs = packing.documents(positions(lens))
         dense = sum(score_elements(rank_blocks(r, world, L, None), L, world)[0] for r in range(world))
+
+        def row(layout, got, kv):
+            work, pieces, launches = ([g[i] for g in got] for i in range(3))
+            return dict(L=L, W=world, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}",
+                        max_doc=max(lens), work_vs_stream=f"{sum(work) / dense:.3f}",
+                        max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
+                        rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
+                        pieces_per_rank=f"{min(pieces)}..{max(pieces)}",
+                        fa4_launches=f"{min(launches)}..{max(launches)}", kv_MB=kv)
         for k in sorted(set(pairs or (1, zigzag_pairs(L, world)))):
             got = [score_elements(rank_blocks(r, world, L, docs, k), L, world) for r in range(world)]
-            work, pieces, launches = ([g[i] for g in got] for i in range(3))
-            rows.append(dict(L=L, W=world, layout=f"{2 * world * k} chunks, k={k}", docs=len(lens),
-                             mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
-                             work_vs_stream=f"{sum(work) / dense:.3f}",
-                             max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
-                             rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
-                             pieces_per_rank=f"{min(pieces)}..{max(pieces)}",
-                             fa4_launches=f"{min(launches)}..{max(launches)}",
-                             kv_MB=f"{ring_kv_mb(L, world, heads, dim):.0f}"))
+            rows.append(row(f"{2 * world * k} chunks, k={k}", got, f"{ring_kv_mb(L, world, heads, dim):.0f}"))
         seen = set()
         for m in per_rank:
             d, plan = dispatch_layout(lens, L, world, m)
@@ -153,16 +154,8 @@ def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=(None,), he
             seen.add(d.chunks)
             got = [score_elements([(slice(None), src, None, True, bd) for src, _, bd in dispatch_blocks(r, plan)],
                                   L, world) for r in range(world)]
-            work, pieces, launches = ([g[i] for g in got] for i in range(3))
-            recv = [plan.received_tokens(r) for r in range(world)]
-            rows.append(dict(L=L, W=world, layout=_dispatch_name(d, world, m), docs=len(lens),
-                             mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
-                             work_vs_stream=f"{sum(work) / dense:.3f}",
-                             max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
-                             rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
-                             pieces_per_rank=f"{min(pieces)}..{max(pieces)}",
-                             fa4_launches=f"{min(launches)}..{max(launches)}",
-                             kv_MB=f"{min(kv_mb(t, heads, dim) for t in recv):.0f}..{max(kv_mb(t, heads, dim) for t in recv):.0f}"))
+            mb = [kv_mb(plan.received_tokens(r), heads, dim) for r in range(world)]
+            rows.append(row(_dispatch_name(d, world, m), got, f"{min(mb):.0f}..{max(mb):.0f}"))
     return rows
 
 
