@@ -99,7 +99,8 @@ def train(args):
     if not use_ds:
         accelerator.register_for_checkpointing(scheduler)
 
-    loader = make_loader(data, layout, args.batch_size, args.seq_length, args.seed, accelerator)
+    loader = make_loader(data, layout, args.batch_size, args.seq_length, args.seed, accelerator,
+                         balance=args.dp_balance)  # --dp-balance: even sum(L^2) over dp ranks
 
     # 3. Resume: model, optimizer, scheduler, RNG and data position from the latest checkpoint.
     start = resume(args, accelerator, loader, run_id)

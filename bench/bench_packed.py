@@ -4,6 +4,8 @@ row as one causal stream, and the load balance across ranks (simulated ring on o
     python bench/bench_packed.py [--lengths 131072 524288] [--world 8] [--median 1500] [--sigma 1.5]
     python bench/bench_packed.py --count        # CPU: score elements per rank only (no kernels, no GPU)
     python bench/bench_packed.py --check        # CPU: the simulation's code path at a tiny size (smoke test)
+    python bench/bench_packed.py --per-rank 4 8 # also time the dispatch with 4 and 8 chunks per rank (default: the
+                                                # cost model's pick only)
 
 Rows are filled with documents whose lengths are drawn from a log-normal distribution (median 1500 tokens,
 sigma 1.5: mean ~4.6K, a long tail of 30K+ documents; clipped to [16, L]; the last document is cut at the row
@@ -14,8 +16,12 @@ nothing, diagonal runs of documents go to one varlen launch (FA4) — plus the f
 output's error against per-document attention on the full row.
 
 Two layouts of the packed row: plain zigzag (2W chunks) and what the ring runs for packed rows, zigzag with k
-mirrored pairs per rank (2Wk chunks, k = ``sharding.zigzag_pairs(L, W)``); pieces = dense kernel calls a rank's
-ring makes (diagonal runs of >= 4 documents are one varlen launch with FA4, counted here per document).
+mirrored pairs per rank (2Wk chunks, k = ``sharding.zigzag_pairs(L, W)``, the default before issue #28); pieces =
+dense kernel calls a rank's ring makes (diagonal runs of >= 4 documents are one varlen launch with FA4, counted here
+per document). And the cost-balanced dispatch (easy_context/dispatch.py, the default for packed rows now): W*m chunks
+dealt by the solver, each rank's q rows against only the kv chunks they need, received point to point
+(dispatch_ring.py). ``kv_MB`` = kv bytes a rank receives in one fwd+bwd (k, v in bf16 twice, dk/dv once: fp32 on
+the ring, bf16 under the dispatch), min..max over ranks; ``vs_default`` = the default k-pair layout's slowest-rank time / this layout's.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import cuda_time_ms, env_line, table  # noqa: E402
 from easy_context import kernels, packing  # noqa: E402
+from easy_context.dispatch import plan_dispatch, predict  # noqa: E402
+from easy_context.dispatch_ring import DispatchPlan  # noqa: E402
 from easy_context.sharding import pairs_shard, pairs_unshard, zigzag_pairs  # noqa: E402
 from easy_context.zigzag_ring_attn.attention import ring_steps  # noqa: E402
 
@@ -80,7 +88,45 @@ def score_elements(blocks, L, world) -> tuple[int, int, int]:
     return total, pieces, launches
 
 
-def count_only(lengths_L, world, median, sigma, pairs=None):
+def dispatch_blocks(rank, plan):
+    """(src, rows of src's local kv it receives or None for all, BlockDocs) of every step ``rank`` computes under the
+    dispatch: exactly ``dispatch_forward``'s steps (steps with nothing needed are skipped)."""
+    w = plan.dispatch.world
+    out = []
+    for s in range(w):
+        src = (rank - s) % w
+        if s == 0 or plan.need[rank, src]:
+            out.append((src, None if s == 0 else plan.local_rows(rank, src), plan.block(rank, src)))
+    return out
+
+
+def dispatch_layout(lens, L, world, per_rank=None):
+    """(Dispatch, DispatchPlan) of the row of documents ``lens``."""
+    pos = positions(lens)
+    d = plan_dispatch(pos, world, per_rank=per_rank)
+    docs = packing.documents(pos)
+    docs.dispatch = d
+    return d, DispatchPlan(docs, d)
+
+
+def _dispatch_name(d, world, m):
+    return f"dispatch {d.chunks} chunks, m={d.chunks // world}" + (" (pick)" if m is None else "")
+
+
+def kv_mb(tokens_recv, heads, dim, dkv_tokens=None, dkv_bytes=2):
+    """MB a rank receives in fwd+bwd: k and v (bf16) in the forward and again in the backward, dk/dv once (bf16 under
+    the dispatch: each partial is added once at its owner; fp32 on the ring, which sums from hop to hop)."""
+    dkv_tokens = tokens_recv if dkv_tokens is None else dkv_tokens
+    return (2 * tokens_recv * 2 * heads * dim * 2 + dkv_tokens * 2 * heads * dim * dkv_bytes) / 1e6
+
+
+def ring_kv_mb(L, world, heads, dim):
+    """The ring's (zigzag / k pairs): W-1 visiting kv blocks of L/W rows, twice; dk/dv fp32 on W hops."""
+    n = L // world
+    return kv_mb((world - 1) * n, heads, dim, world * n, dkv_bytes=4)
+
+
+def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=(None,), heads=32, dim=128):
     """One row per (length, layout): plain zigzag and the k-pair layout the ring uses for packed rows (or the k
     values of ``pairs``)."""
     rows = []
@@ -88,16 +134,28 @@ def count_only(lengths_L, world, median, sigma, pairs=None):
         lens = doc_lengths(L, median, sigma)
         docs = packing.documents(positions(lens))
         dense = sum(score_elements(rank_blocks(r, world, L, None), L, world)[0] for r in range(world))
+
+        def row(layout, got, kv):
+            work, pieces, launches = ([g[i] for g in got] for i in range(3))
+            return dict(L=L, W=world, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}",
+                        max_doc=max(lens), work_vs_stream=f"{sum(work) / dense:.3f}",
+                        max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
+                        rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
+                        pieces_per_rank=f"{min(pieces)}..{max(pieces)}",
+                        fa4_launches=f"{min(launches)}..{max(launches)}", kv_MB=kv)
         for k in sorted(set(pairs or (1, zigzag_pairs(L, world)))):
             got = [score_elements(rank_blocks(r, world, L, docs, k), L, world) for r in range(world)]
-            work, pieces, launches = ([g[i] for g in got] for i in range(3))
-            rows.append(dict(L=L, W=world, layout=f"{2 * world * k} chunks, k={k}", docs=len(lens),
-                             mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
-                             work_vs_stream=f"{sum(work) / dense:.3f}",
-                             max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
-                             rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
-                             pieces_per_rank=f"{min(pieces)}..{max(pieces)}",
-                             fa4_launches=f"{min(launches)}..{max(launches)}"))
+            rows.append(row(f"{2 * world * k} chunks, k={k}", got, f"{ring_kv_mb(L, world, heads, dim):.0f}"))
+        seen = set()
+        for m in per_rank:
+            d, plan = dispatch_layout(lens, L, world, m)
+            if d.chunks in seen:
+                continue
+            seen.add(d.chunks)
+            got = [score_elements([(slice(None), src, None, True, bd) for src, _, bd in dispatch_blocks(r, plan)],
+                                  L, world) for r in range(world)]
+            mb = [kv_mb(plan.received_tokens(r), heads, dim) for r in range(world)]
+            rows.append(row(_dispatch_name(d, world, m), got, f"{min(mb):.0f}..{max(mb):.0f}"))
     return rows
 
 
@@ -125,9 +183,10 @@ def balance_study(lengths_L, world, median, sigma, per_rank=(1, 2, 4, 8)):
     return rows
 
 
-def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=None):
+def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=None, per_rank=(None,)):
     """Time every rank's ring work (fwd + bwd) for the packed row in each layout of ``pairs`` (k values; default
-    plain zigzag and ``zigzag_pairs(L, world)``) and for the same row as one causal stream: one row per layout."""
+    plain zigzag and ``zigzag_pairs(L, world)``), under the dispatch with each ``per_rank`` (None: the cost model's
+    pick; () for none), and for the same row as one causal stream: one row per layout."""
     lens = doc_lengths(L, median, sigma)
     docs = packing.documents(positions(lens))
     ks = sorted(set(pairs or (1, zigzag_pairs(L, world))))
@@ -172,17 +231,65 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         return times, err, launches
 
+    def run_dispatch(m, d, plan):
+        sh = [[d.shard(t, r).contiguous() for r in range(world)] for t in (q, k_, v, do)]
+        times, outs, launches, recv = [], [], [], []
+        for r in range(world):
+            blocks = dispatch_blocks(r, plan)
+            launches.append(score_elements([(slice(None), s, None, True, bd) for s, _, bd in blocks], L, world)[2])
+            recv.append(plan.received_tokens(r))
+            # what rank r receives at each step (gathered outside the timing: the real ring copies it on the sender)
+            kv = [(sh[1][s] if rows is None else sh[1][s][:, rows.to(device)],
+                   sh[2][s] if rows is None else sh[2][s][:, rows.to(device)], bd) for s, rows, bd in blocks]
+
+            def fwd(r=r, kv=kv):
+                out = torch.zeros(1, n, heads, dim, device=device)
+                lse = torch.full((1, heads, n), -math.inf, device=device)
+                for kk_, vv, bd in kv:
+                    res = kernels.attn_forward(sh[0][r], kk_, vv, True, docs=bd)
+                    if res is not None:
+                        kernels.merge_attn_out(out, lse, *res)
+                return out, lse
+            o, l = fwd()
+            ob = o.to(dt)
+            outs.append(ob)
+
+            def work(r=r, kv=kv, ob=ob, l=l, fwd=fwd):
+                fwd()
+                for kk_, vv, bd in kv:
+                    kernels.attn_backward(sh[3][r], sh[0][r], kk_, vv, ob, l, True, docs=bd)
+            times.append(cuda_time_ms(work, 1, iters) if device == "cuda" else (work(), 1.0)[1])
+            del kv
+        got = d.unshard(outs, dim=1)
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        return d, times, err, launches, recv
+
+    def row(layout, t, err, launches, mb):
+        return dict(L=L, W=world, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
+                    packed_ms=f"{sum(t):.0f}", slowest_rank_ms=f"{max(t):.1f}", stream_ms=f"{sum(stream):.0f}",
+                    speedup=f"{sum(stream) / sum(t):.2f}x", wall_speedup=f"{max(stream) / max(t):.2f}x",
+                    max_over_mean=f"{max(t) / (sum(t) / world):.3f}",
+                    stream_max_over_mean=f"{max(stream) / (sum(stream) / world):.3f}",
+                    fa4_launches=f"{min(launches)}..{max(launches)}", kv_MB=mb, err=f"{err:.1e}", _slow=max(t))
+
     stream = run(None, 1)[0]
     rows = []
     for kk in ks:
         t, err, launches = run(docs, kk)
-        rows.append(dict(L=L, W=world, layout=f"{2 * world * kk} chunks, k={kk}", docs=len(lens),
-                         mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens), packed_ms=f"{sum(t):.0f}",
-                         slowest_rank_ms=f"{max(t):.1f}", stream_ms=f"{sum(stream):.0f}",
-                         speedup=f"{sum(stream) / sum(t):.2f}x", wall_speedup=f"{max(stream) / max(t):.2f}x",
-                         max_over_mean=f"{max(t) / (sum(t) / world):.3f}",
-                         stream_max_over_mean=f"{max(stream) / (sum(stream) / world):.3f}",
-                         fa4_launches=f"{min(launches)}..{max(launches)}", err=f"{err:.1e}"))
+        rows.append(row(f"{2 * world * kk} chunks, k={kk}", t, err, launches, f"{ring_kv_mb(L, world, heads, dim):.0f}"))
+    seen = set()
+    for m in per_rank:
+        d, plan = dispatch_layout(lens, L, world, m)
+        if d.chunks in seen:  # an explicit m equal to the cost model's pick: timed once
+            continue
+        seen.add(d.chunks)
+        d, t, err, launches, recv = run_dispatch(m, d, plan)
+        mb = [kv_mb(x, heads, dim) for x in recv]
+        rows.append(row(_dispatch_name(d, world, m), t, err, launches, f"{min(mb):.0f}..{max(mb):.0f}"))
+    default = next((r["_slow"] for r, kk in zip(rows, ks) if kk == zigzag_pairs(L, world)), None)
+    for r in rows:
+        slow = r.pop("_slow")
+        r["vs_default"] = f"{default / slow:.2f}x" if default else ""
     return rows
 
 
@@ -197,19 +304,23 @@ def main():
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--pairs", type=int, nargs="+", default=None,
                     help="k values to time (default: 1 = plain zigzag and zigzag_pairs(L, W), what the ring picks)")
+    ap.add_argument("--per-rank", type=int, nargs="+", default=None,
+                    help="chunks per rank of the dispatch to time (default: the cost model's pick)")
     ap.add_argument("--count", action="store_true", help="CPU: score elements per rank only")
     ap.add_argument("--check", action="store_true", help="CPU float32 run of the simulation's code path (errors only)")
     args = ap.parse_args()
     if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
-        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4)):
+        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4), per_rank=(None, 8)):
             print(r)
             assert float(r["err"]) < 1e-5, r
         return
-    counts = count_only(args.lengths, args.world, args.median, args.sigma, args.pairs)
+    per_rank = [None] + [m for m in (args.per_rank or []) if m is not None]
+    counts = count_only(args.lengths, args.world, args.median, args.sigma, args.pairs, per_rank, args.heads,
+                        args.head_dim)
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "
           f"sigma {args.sigma:g})\n")
     print(table(counts, ["L", "W", "layout", "docs", "mean_doc", "max_doc", "work_vs_stream", "max_over_mean",
-                         "rank_Melems", "pieces_per_rank", "fa4_launches"]))
+                         "rank_Melems", "pieces_per_rank", "fa4_launches", "kv_MB"]))
     print("\n## Balance study: finer chunks, mirrored pairs vs greedy by cost (q-side work per rank)\n")
     print(table(balance_study(args.lengths, args.world, args.median, args.sigma),
                 ["L", "W", "chunks", "mirrored_max_over_mean", "greedy_max_over_mean"]))
@@ -221,13 +332,15 @@ def main():
                                                                        dtype=torch.bfloat16)), flush=True)
     rows = []
     for L in args.lengths:
-        new = simulate(L, args.world, args.heads, args.head_dim, args.median, args.sigma, args.iters, pairs=args.pairs)
+        new = simulate(L, args.world, args.heads, args.head_dim, args.median, args.sigma, args.iters, pairs=args.pairs,
+                       per_rank=per_rank)
         rows += new
         print(*new, sep="\n", flush=True)
         torch.cuda.empty_cache()
-    print("\n## Simulated zigzag ring, packed documents (zigzag and k pairs) vs one causal stream (fwd+bwd, bf16)\n")
+    print("\n## Simulated ring, packed documents (zigzag, k pairs, dispatch) vs one causal stream (fwd+bwd, bf16)\n")
     print(table(rows, ["L", "W", "layout", "docs", "mean_doc", "max_doc", "packed_ms", "slowest_rank_ms", "stream_ms",
-                       "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "fa4_launches", "err"]))
+                       "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "vs_default", "fa4_launches",
+                       "kv_MB", "err"]))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_packed.json"), "w") as f:
             json.dump(dict(env=env_line(), counts=counts, rows=rows), f, indent=1)

@@ -5,6 +5,8 @@
 #   bash bench/h200_fa4.sh kernels   # GPU tests of the facade (fa4 incl. varlen), bench_kernels, JIT/cache, 512K ring sim
 #   bash bench/h200_fa4.sh step      # bench_train_step 16K..128K: ours(fa4) vs ours(cudnn) vs plain HF
 #   bash bench/h200_fa4.sh packed    # GPU tests of document masking (fa4 varlen) + bench_packed 128K/512K W=8
+#   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: cost-balanced dispatch (m = model's pick, 2, 4, 8) vs
+#                                    # zigzag and the k-pair default, same rows/seed; default L = 131072 524288
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
 #   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4
 #   bash bench/h200_fa4.sh lora      # bench_lora: LoRA vs full fine-tuning, 7B shape at 128K (peak memory, tok/s)
@@ -36,6 +38,10 @@ case "${1:-}" in
   packed)
     python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_packed.py tests/test_fa4_backend.py -k "gpu or varlen or facade" 2>&1 | tail -4 || true
     python3 bench/bench_packed.py --lengths 131072 524288 --world 8 --pairs 1 8 16 2>&1 | grep -v Warn | tee "$OUT/packed.log" | tail -30 ;;
+  dispatch)
+    shift
+    python3 bench/bench_packed.py --lengths ${@:-131072 524288} --world 8 --per-rank 2 4 8 2>&1 | grep -v Warn \
+      | tee "$OUT/packed_dispatch_${1:-all}.log" | tail -40 ;;
   trainpy-a)
     python3 bench/bench_train_py.py --shape llama3.2-3b --seq-length 32768 --configs offload --ga 1 4 --steps 3 \
       --work /tmp/trainpy 2>&1 | grep -v Warn | tee "$OUT/train_py_a.log" | tail -12 ;;
@@ -57,5 +63,5 @@ case "${1:-}" in
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
     cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; cp /tmp/keep/bench_memory.json "$OUT/m512.json" 2>/dev/null || true
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
-  *) echo "usage: $0 keep|install|kernels|step|packed|trainpy-a|trainpy-b|lora|m512-start|m512-wait N" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|trainpy-a|trainpy-b|lora|m512-start|m512-wait N" >&2; exit 2 ;;
 esac

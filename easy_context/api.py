@@ -32,15 +32,17 @@ def describe_layout(seq_algo, world_size: int, **kw) -> str:
 # prepare_seq_parallel_inputs marks the tensors it returns with the layout they were cut for; the patched
 # attention compares it with its own and refuses a mismatch (a silent wrong result otherwise).
 LAYOUT_ATTR = "_easy_context_layout"
+from .dispatch import DISPATCH_ATTR  # noqa: E402  (the packed rows' chunk table, dispatch.py)
 
 
 def shard_sequence(seq_algo, tensor: torch.Tensor, rank: int, world_size: int, dim: int = 1, **kw):
     """This rank's shard of ``tensor`` along ``dim`` in ``seq_algo``'s layout.
 
-    ``positions=`` (the batch's global position ids): packed rows (a restart at 0) take the balanced k-pair
-    form of zigzag under ``zigzag_ring_attn`` / ``usp_attn`` (sharding.py); without it, or for rows without
-    restarts, the layout is plain zigzag. Shard every tensor of a packed batch with the same ``positions=``
-    (``prepare_seq_parallel_inputs`` does), since the attention rebuilds the layout from the position ids."""
+    ``positions=`` (the batch's global position ids): packed rows (a restart at 0) are dispatched in cost-balanced
+    chunks under ``zigzag_ring_attn`` / ``usp_attn`` / ``dist_flash_attn`` (dispatch.py; the table is attached to
+    the returned tensor, where the attention reads it; ``dispatch=`` passes one); without it, or for rows without
+    restarts, the layout is the mode's fixed one (plain zigzag / contiguous). Shard every tensor of a packed batch
+    with the same ``positions=`` (``prepare_seq_parallel_inputs`` does)."""
     _check_world(rank, world_size)
     return get_mode(seq_algo).shard(tensor, rank, world_size, dim=dim, **kw)
 
@@ -93,15 +95,21 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
                          + _packed_hint(mode, world_size, position_ids, kw))
 
     tag = (mode.signature(world_size, **kw), describe_layout(mode, world_size, **kw))
+    # packed rows (restarts at 0): one cost-balanced dispatch table for the batch (dispatch.py), planned once and
+    # attached to every returned tensor: the attention reads it off the local position ids
+    table = mode.dispatch_of(world_size, positions=position_ids, **kw)
+    if table is not None:
+        kw = dict(kw, dispatch=table)
 
     def cut(t):
         if t is None:
             return None
-        # packed rows (restarts at 0): the balanced k-pair layout, decided from the positions as the attention does
         local = shard_sequence(mode, t, rank, world_size, dim=-1, positions=position_ids, **kw).to(device)
         if local is t:  # never tag the caller's own tensor (data_parallel / one rank return it as is)
             local = local.view_as(local)
         setattr(local, LAYOUT_ATTR, tag)
+        if table is not None:
+            setattr(local, DISPATCH_ATTR, table)
         return local
 
     return {"local_input_ids": cut(input_ids), "local_position_ids": cut(position_ids),

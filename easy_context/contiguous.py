@@ -1,4 +1,4 @@
-"""The contiguous cut (dist_flash_attn, ulysses_attn): rank r holds chunk r of W."""
+"""The contiguous cut (ulysses_attn; dist_flash_attn adds the packed-row dispatch): rank r holds chunk r of W."""
 from .sharding import contiguous_shard, contiguous_unshard
 
 

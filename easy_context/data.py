@@ -54,9 +54,13 @@ class ShardedLoader:
         self.epoch, self._skip = int(state["epoch"]), int(state["batch"])
         self.position = self._skip
 
-    def __iter__(self):
+    def _epoch_indices(self) -> list[int]:
+        """This rank's row indices of the current epoch, in order (training/dp_balance.py reorders them)."""
         self.sampler.set_epoch(self.epoch)
-        indices = list(self.sampler)[self._skip * self.batch_size:]  # resume: skip indices, not loads
+        return list(self.sampler)
+
+    def __iter__(self):
+        indices = self._epoch_indices()[self._skip * self.batch_size:]  # resume: skip indices, not loads
         self.position, self._skip = self._skip, 0
         loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=indices, collate_fn=self.collate_fn,
                             drop_last=self.drop_last, num_workers=self.num_workers, pin_memory=self.pin_memory)

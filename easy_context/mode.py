@@ -93,23 +93,32 @@ class Mode:
         """How the mode cuts a sequence, canonically: equal signatures shard identically."""
         return self._cut().signature(world_size, **kw)
 
+    def dispatch_of(self, world_size: int, **kw):
+        """The packed rows' cost-balanced chunk table (dispatch.py) the cut would use, or None (fixed cut)."""
+        planner = getattr(self._cut(), "dispatch_of", None)
+        return None if planner is None else planner(world_size, **kw)
+
     def shard(self, x, rank: int, world_size: int, dim: int = 1, **kw):
         return self._cut().shard(x, rank, world_size, dim=dim, **kw)
 
     def unshard(self, shards, dim: int = 1, **kw):
         return self._cut().unshard(shards, dim=dim, **kw)
 
-    def gather_positions(self, local, groups: dict, gather):
+    def gather_positions(self, local, groups: dict, gather, dispatch=None):
         """The global (B, L) positions from this rank's ``local`` ones: gather them in the sp ``group`` and undo the
-        cut (packed rows: decided from the gathered positions, as the cut did). ``gather(t, group)`` -> every
-        group member's ``t`` in rank order."""
-        import torch
+        cut (packed rows: by their ``dispatch`` table, else decided from the gathered positions, as the cut did).
+        ``gather(t, group)`` -> every group member's ``t`` in rank order."""
         import torch.distributed as dist
+        from .packing import unshard_gathered
         group = groups.get("group")
         if dist.get_world_size(group) == 1:
             return local
-        parts = gather(local, group)
-        return self.unshard(parts, dim=1, positions=torch.cat(parts, dim=1))
+        return unshard_gathered(self, gather(local, group), dispatch)
+
+    @property
+    def dispatches(self) -> bool:
+        """Packed rows are dealt in cost-balanced chunks (dispatch.py) by this mode's cut."""
+        return hasattr(self._cut(), "dispatch_of")
 
     # ------------------------------------------------------------------ heads
     def check_heads(self, num_q_heads: int, num_kv_heads: int, ulysses_degree: int, what: str) -> None:

@@ -77,6 +77,7 @@ def documents(positions: torch.Tensor, window: int | None = None) -> "Documents 
 class Documents:
     doc_ids: torch.Tensor  # (B, L) long, CPU, nondecreasing per row, starting at 0
     window: int | None = None  # sliding window (keys j > i - window), None = full causal
+    dispatch: object = None    # dispatch.Dispatch the rows were sharded with (packed rows), None = a fixed layout
 
     def __post_init__(self):
         if self.window is not None and self.window < 1:
@@ -96,7 +97,7 @@ class Documents:
             return self
         hit = self._windowed.get(window)
         if hit is None:
-            hit = self._windowed[window] = Documents(self.doc_ids, window)
+            hit = self._windowed[window] = Documents(self.doc_ids, window, self.dispatch)
         return hit
 
     @property
@@ -214,22 +215,63 @@ def _windowed(qo, qg, n, ko, kg, m, causal, w):
     return out
 
 
-def gather_positions(mode, local: torch.Tensor, groups: dict) -> torch.Tensor:
+def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None) -> torch.Tensor:
     """The global (B, L) positions of the sequence this sp group shares, from every rank's local ones.
 
-    Packed rows are laid out in the k-pair form of zigzag under zigzag_ring_attn / usp_attn; which one is decided
-    from the gathered positions in rank order (``sharding.packed_rows`` reads the same there as on the global
-    positions the inputs were sharded with), so every rank undoes the layout ``prepare_seq_parallel_inputs`` made."""
+    Packed rows are cut by their ``dispatch`` (dispatch.py; the table the local positions carry): every rank adds
+    its table's digest to the gathered tensor, so a rank without it or with another one is an error on every rank
+    alike, before anything is computed. With ``EASY_CONTEXT_PACKED_LAYOUT=pairs`` packed rows are in the k-pair
+    form of zigzag under zigzag_ring_attn / usp_attn, decided from the gathered positions in rank order
+    (``sharding.packed_rows`` reads the same there as on the global positions the inputs were sharded with)."""
     import torch.distributed as dist
 
+    digest = 0 if dispatch is None else dispatch.digest()
+
     def gather(t, group):
+        t = torch.cat([t.long(), t.new_full((t.shape[0], 1), digest, dtype=torch.long)], dim=1).contiguous()
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        return parts
+        dist.all_gather(parts, t, group=group)
+        seen = sorted({int(p[0, -1]) for p in parts})
+        if len(seen) > 1:
+            from .dispatch import DispatchError
+            raise DispatchError(
+                f"{mode.name}: the ranks' local position ids carry different dispatch tables (digests {seen}; 0 = "
+                "none): every rank must pass the local_position_ids prepare_seq_parallel_inputs returned for the "
+                "same global batch")
+        return [p[:, :-1] for p in parts]
 
     if not (dist.is_available() and dist.is_initialized()):
         return local
-    return mode.gather_positions(local, groups, gather)  # the Mode (``layout.mode``) undoes its own cut
+    full = mode.gather_positions(local, groups, gather, dispatch)  # the Mode (``layout.mode``) undoes its own cut
+    _check_dispatched(mode, full, dispatch)
+    return full
+
+
+def unshard_gathered(mode, parts, dispatch=None, **kw) -> torch.Tensor:
+    """Global positions from the rank-order local ones: by the dispatch table, else (fixed cuts) the k-pair
+    count read off the gathered positions."""
+    from .sharding import layout_pairs
+    if dispatch is not None:
+        from .dispatch import check_fingerprint, check_world
+        check_world(dispatch, len(parts), sum(p.shape[1] for p in parts), mode.name)
+        full = dispatch.unshard(parts, dim=1)
+        check_fingerprint(dispatch, full, mode.name)
+        return full
+    cat = torch.cat(parts, dim=1)
+    return mode.unshard(parts, dim=1, pairs=layout_pairs(cat, cat.shape[1], len(parts)), **kw)
+
+
+def _check_dispatched(mode, full: torch.Tensor, dispatch) -> None:
+    """Packed rows under a dispatching mode must arrive with their table (a fixed layout would be a guess)."""
+    from .dispatch import DISPATCH_ATTR, DispatchError, packed_layout
+    if dispatch is not None or not packed_rows(full) or packed_layout() != "dispatch" or not mode.dispatches:
+        return
+    raise DispatchError(
+        f"{mode.name}: these rows are packed (position_ids restart at 0) but their local position ids carry no "
+        f"dispatch table (attribute {DISPATCH_ATTR}): pass the local_position_ids prepare_seq_parallel_inputs "
+        "returned (a copy or .to(another device) drops the table: copy it with setattr), or shard with "
+        "shard_sequence(..., positions=global_position_ids) on every rank, or set EASY_CONTEXT_PACKED_LAYOUT=pairs "
+        "on every rank for the fixed k-pair layout")
 
 
 def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> torch.Tensor:

@@ -42,15 +42,18 @@ def test_storage_census_counts_live_bytes_at_the_peak():
 
 
 def test_packed_bench_replay_is_exact_and_counts_less_work():
-    """bench_packed's simulated packed ring (zigzag and k pairs) equals per-document attention; its work count
-    shrinks, and is the same total work in both layouts."""
+    """bench_packed's simulated packed ring (zigzag, k pairs and the dispatch) equals per-document attention; its
+    work count shrinks, and is the same total work in every layout; the dispatch receives less kv than the ring."""
     from bench.bench_packed import count_only, simulate as packed_sim
-    rows = packed_sim(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2))
-    assert [r["layout"] for r in rows] == ["8 chunks, k=1", "16 chunks, k=2"], rows
+    rows = packed_sim(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2), per_rank=(4,))
+    assert [r["layout"] for r in rows] == ["8 chunks, k=1", "16 chunks, k=2", "dispatch 16 chunks, m=4"], rows
     assert all(float(r["err"]) < 1e-5 for r in rows), rows
-    zz, fine = count_only([8192], 4, 300, 1.0, (1, 4))
+    zz, fine, disp = count_only([8192], 4, 300, 1.0, (1, 4), per_rank=(4,))
     assert (zz["layout"], fine["layout"]) == ("8 chunks, k=1", "32 chunks, k=4"), (zz, fine)
     assert float(zz["work_vs_stream"]) < 0.5 and zz["work_vs_stream"] == fine["work_vs_stream"], (zz, fine)
+    assert disp["work_vs_stream"] == zz["work_vs_stream"], disp
+    assert float(disp["max_over_mean"]) <= float(fine["max_over_mean"]), (disp, fine)
+    assert int(disp["kv_MB"].split("..")[1]) < int(zz["kv_MB"]), (disp, zz)
 
 
 def test_balance_study_mirrored_pairs_balance_one_stream():

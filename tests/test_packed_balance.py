@@ -1,5 +1,8 @@
 """Packed rows in the balanced k-pair zigzag layout (issue #14): sharding, packed detection, the ring's pieces.
 
+Since issue #28 packed rows are dispatched by cost by default (tests/test_dispatch.py); the k-pair layout stays
+behind EASY_CONTEXT_PACKED_LAYOUT=pairs, which every test here sets.
+
 Pure tests here; the multi-rank model checks (zigzag at W=2 / W=4, USP 2x2, k > 1, logits / loss / grads vs the
 per-document reference, and the block-skip count) run inside tests/test_packed.py's spawns (``balanced_body``),
 so they cost no extra process start-up.
@@ -8,6 +11,7 @@ import pytest
 import torch
 
 from easy_context import packing, prepare_seq_parallel_inputs, shard_sequence, unshard_sequence
+from easy_context.dispatch import LAYOUT_ENV
 from easy_context.sharding import (PAIRS_ENV, PAIRS_MIN_CHUNK, layout_pairs, pair_chunks, packed_rows, pairs_indices,
                                    pairs_min_chunk, pairs_shard, pairs_unshard, zigzag_pairs, zigzag_shard)
 from easy_context.zigzag_ring_attn.attention import block_plan, ring_steps
@@ -22,6 +26,7 @@ SMALL_CHUNKS = "256"
 @pytest.fixture(autouse=True)
 def _small_chunks(monkeypatch):
     monkeypatch.setenv(PAIRS_ENV, SMALL_CHUNKS)
+    monkeypatch.setenv(LAYOUT_ENV, "pairs")
 
 
 def _positions(lengths):
@@ -230,15 +235,17 @@ def balanced_body(rank, world_size, usp_layout=None):
     loss and every gradient equal the per-document reference, as in test_packed's model checks."""
     import os
     from tests.model_equiv import check_model_equivalence
-    before = os.environ.get(PAIRS_ENV)
+    before = {k: os.environ.get(k) for k in (PAIRS_ENV, LAYOUT_ENV)}
     os.environ[PAIRS_ENV] = SMALL_CHUNKS  # every rank of the spawn sets it alike: sharding and attention agree
+    os.environ[LAYOUT_ENV] = "pairs"      # the fixed k-pair layout (the default dispatches packed rows by cost)
     try:
         _balanced_cases(rank, world_size, usp_layout, check_model_equivalence)
     finally:
-        if before is None:
-            os.environ.pop(PAIRS_ENV, None)
-        else:
-            os.environ[PAIRS_ENV] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _balanced_cases(rank, world_size, usp_layout, check_model_equivalence):

@@ -61,11 +61,15 @@ def _documents(mode: Mode, groups, state, position_ids):
     hit = state.get("docs")
     if hit is not None and hit[0]() is position_ids and hit[1] == version:
         return hit[2]
-    global_pos = packing.gather_positions(mode, position_ids, groups)
+    from ..dispatch import DISPATCH_ATTR
+    dispatch = getattr(position_ids, DISPATCH_ATTR, None)  # the chunk table prepare_seq_parallel_inputs attached
+    global_pos = packing.gather_positions(mode, position_ids, groups, dispatch)
     try:
         docs = packing.documents(global_pos)
+        if docs is not None:
+            docs.dispatch = dispatch
     except packing.PackedPositionsError as e:
-        if mode.packed_pairs and packing.packed_rows(global_pos):
+        if dispatch is None and mode.packed_pairs and packing.packed_rows(global_pos):
             raise packing.PackedPositionsError(
                 f"{e}. (Packed rows are sharded in the balanced k-pair zigzag layout, decided from the position "
                 "ids: cut every tensor with prepare_seq_parallel_inputs, or shard_sequence(..., positions="

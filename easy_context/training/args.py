@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant",
       help="after warmup: constant at --learning-rate, or cosine/linear decay to --min-lr-ratio x LR")
     a("--min-lr-ratio", type=float, default=0.1)
+    a("--dp-balance", choices=("auto", "on", "off"), default="auto", help="give every data-parallel rank about the "
+      "same sum of squared document lengths per step (auto: on for packed rows, i.e. with position_ids, when dp > 1)")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay (never on norms, biases, embeddings)")
     a("--decay-all", action="store_true", help="also decay norms, biases and embeddings")
     a("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")

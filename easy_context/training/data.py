@@ -221,9 +221,11 @@ def save_dataset_atomic(ds, output: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def make_loader(ds, layout, batch_size: int, seq_length: int, seed: int, accelerator):
+def make_loader(ds, layout, batch_size: int, seq_length: int, seed: int, accelerator, balance: str = "auto"):
     """Rows sharded over data-parallel ranks only (``easy_context.data.prepare_dataloader``); the sp ranks
-    of one group get the same rows. Seeded per-epoch shuffle; ``state_dict()`` gives the data position."""
+    of one group get the same rows. Seeded per-epoch shuffle; ``state_dict()`` gives the data position.
+    ``balance`` ("auto": when rows are packed, i.e. have position_ids, and dp > 1; "on"; "off"): every dp rank gets
+    about the same sum of squared document lengths per step (training/dp_balance.py)."""
     from torch.utils.data import DataLoader
 
     from easy_context.data import prepare_dataloader
@@ -236,7 +238,15 @@ def make_loader(ds, layout, batch_size: int, seq_length: int, seed: int, acceler
     def collate(rows):  # {column: (batch, seq_length + 1)}; see packed_data.batch_targets
         return {c: torch.stack([r[c][: seq_length + 1] for r in rows]).long() for c in cols}
     dl = DataLoader(ds, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate)
-    return prepare_dataloader(dl, layout, accelerator, seed=seed)
+    loader = prepare_dataloader(dl, layout, accelerator, seed=seed)
+    if balance not in ("auto", "on", "off"):
+        raise UsageError(f"--dp-balance must be auto, on or off; got {balance!r}")
+    if balance == "off" or (balance == "auto" and ("position_ids" not in cols or loader.dp == 1)):
+        return loader
+    from .dp_balance import BalancedLoader, row_costs
+    costs = row_costs(ds, length=seq_length + 1) if "position_ids" in cols else [1.0] * len(ds)
+    return BalancedLoader(ds, costs, batch_size, collate, loader.dp, loader.dp_rank, shuffle=True, seed=seed,
+                          drop_last=True, device=loader.device)
 
 
 def forever(loader):

@@ -9,6 +9,7 @@ ranks. The Ulysses all-to-all gathers exactly the ring rank's zigzag-local seque
 """
 import torch
 
+from ..dispatch import resolve
 from ..sharding import check_divisible, contiguous_shard, pairs_shard, pairs_unshard
 from ..zigzag_ring_attn.layout import pairs_of
 
@@ -32,29 +33,45 @@ def seq_multiple(world_size: int, ring_degree: int | None = None, **_) -> int:
     return 2 * r * u
 
 
-def shard(x, rank, world_size, dim=1, ring_degree=None, positions=None, pairs=None, **_):
+def dispatch_of(world_size, ring_degree=None, positions=None, pairs=None, dispatch=None, window=None, **_):
+    """The dispatch of packed rows over the R ring ranks (dispatch.py), or None (zigzag / k-pair)."""
+    return resolve(_degrees(world_size, ring_degree)[0], positions, pairs, dispatch, window)
+
+
+def shard(x, rank, world_size, dim=1, ring_degree=None, positions=None, pairs=None, dispatch=None, window=None, **_):
     r, u = _degrees(world_size, ring_degree)
     check_divisible(x.shape[dim], 2 * r * u, f"usp_attn with ring {r} x ulysses {u} (2 x {r} x {u})")
-    local = pairs_shard(x, rank // u, r, pairs_of(x.shape[dim], r, positions, pairs), dim)
-    return contiguous_shard(local, rank % u, u, dim)
+    d = dispatch_of(world_size, ring_degree, positions, pairs, dispatch, window)
+    if d is not None:
+        local = d.shard(x, rank // u, dim)
+    else:
+        local = pairs_shard(x, rank // u, r, pairs_of(x.shape[dim], r, positions, pairs), dim)
+    out = contiguous_shard(local, rank % u, u, dim)
+    if d is not None:
+        out = out.view_as(out)  # (a view of the ring rank's piece: tagged on its own)
+        setattr(out, "_easy_context_dispatch", d)
+    return out
 
 
-def unshard(shards, dim=1, ring_degree=None, positions=None, pairs=None, **_):
+def unshard(shards, dim=1, ring_degree=None, positions=None, pairs=None, dispatch=None, window=None, **_):
     r, u = _degrees(len(shards), ring_degree)
     per_ring = [torch.cat(list(shards[i * u:(i + 1) * u]), dim=dim) for i in range(r)]
+    d = dispatch_of(len(shards), ring_degree, positions, pairs, dispatch, window)
+    if d is not None:
+        return d.unshard(per_ring, dim)
     length = sum(s.shape[dim] for s in per_ring)
     return pairs_unshard(per_ring, pairs_of(length, r, positions, pairs), dim)
 
 
-def gather_positions(local: torch.Tensor, groups: dict, gather) -> torch.Tensor:
+def gather_positions(local: torch.Tensor, groups: dict, gather, dispatch=None) -> torch.Tensor:
     """packing.gather_positions for USP: the Ulysses pieces form the ring rank's zigzag-local sequence (all-gather
-    in the Ulysses group), then the ring ranks' sequences undo the zigzag / k-pair cut. ``gather(t, group)``
-    -> the list of every group member's ``t``."""
-    from ..zigzag_ring_attn.layout import unshard as ring_unshard
+    in the Ulysses group), then the ring ranks' sequences undo the dispatch / zigzag / k-pair cut. ``gather(t,
+    group)`` -> the list of every group member's ``t``."""
+    from ..packing import unshard_gathered
     from .attention import resolve_groups
     ring_group, r, u, uly_group = resolve_groups(groups.get("ring_group"), groups.get("ulysses_group"))
     local = torch.cat(gather(local, uly_group), dim=1) if u > 1 else local
     if r == 1:
         return local
-    parts = gather(local, ring_group)
-    return ring_unshard(parts, dim=1, positions=torch.cat(parts, dim=1))  # the ring's zigzag / k-pair cut
+    from ..zigzag_ring_attn.mode import ZigzagRingMode
+    return unshard_gathered(ZigzagRingMode(), gather(local, ring_group), dispatch)  # the ring's cut

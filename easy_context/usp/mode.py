@@ -22,9 +22,9 @@ class UspMode(Mode):
                              f"divide {sp}; valid ring degrees: {_divisors(sp)}")
         return ring, sp // ring
 
-    def gather_positions(self, local, groups, gather):
+    def gather_positions(self, local, groups, gather, dispatch=None):
         from .layout import gather_positions
-        return gather_positions(local, groups, gather)
+        return gather_positions(local, groups, gather, dispatch)
 
     def check_heads(self, num_q_heads, num_kv_heads, ulysses_degree, what):
         if ulysses_degree > 1:

@@ -162,6 +162,9 @@ def zigzag_ring_forward(q, k, v, softmax_scale: float, group=None, backend: str 
     """
     rank, world = _ring_position(group)
     _check_docs(docs, q, world)
+    if docs is not None and docs.dispatch is not None:  # packed rows in cost-balanced chunks (dispatch_ring.py)
+        from ..dispatch_ring import dispatch_forward
+        return dispatch_forward(q, k, v, softmax_scale, group, backend, docs)
     if world == 1:
         if docs is not None:
             idx = torch.arange(q.shape[1])
@@ -195,6 +198,9 @@ def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=No
     """(dq, dk, dv) of this rank's q and own k/v, from the saved inputs and the final out/lse."""
     rank, world = _ring_position(group)
     _check_docs(docs, q, world)
+    if docs is not None and docs.dispatch is not None:
+        from ..dispatch_ring import dispatch_backward
+        return dispatch_backward(dout, q, k, v, out, lse, softmax_scale, group, backend, docs)
     if world == 1:
         if docs is not None:
             idx = torch.arange(q.shape[1])

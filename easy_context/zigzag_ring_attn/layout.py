@@ -3,7 +3,11 @@
 Packed rows (``positions=`` with a restart at 0) use the finer k-pair form of the same rule (sharding.py:
 2Wk chunks, rank r holds the mirrored pairs {i, 2Wk-1-i : i mod W == r}); k = ``zigzag_pairs(L, W)``, 1 for
 every row without restarts. ``pairs=`` forces k (tests, benchmarks).
+
+By default packed rows are dispatched instead (dispatch.py: cost-balanced chunks, the table planned from the global
+``positions=`` or given as ``dispatch=``); the k-pair form stays for ``pairs=`` and EASY_CONTEXT_PACKED_LAYOUT=pairs.
 """
+from ..dispatch import resolve
 from ..sharding import layout_pairs, pairs_shard, pairs_unshard
 
 
@@ -20,10 +24,21 @@ def pairs_of(length: int, world_size: int, positions=None, pairs=None) -> int:
     return pairs if pairs is not None else layout_pairs(positions, length, world_size)
 
 
-def shard(x, rank, world_size, dim=1, positions=None, pairs=None, **_):
+def dispatch_of(world_size, positions=None, pairs=None, dispatch=None, window=None, **_):
+    """The dispatch table of packed rows over the W ring ranks (None: the fixed zigzag / k-pair layout)."""
+    return resolve(world_size, positions, pairs, dispatch, window)
+
+
+def shard(x, rank, world_size, dim=1, positions=None, pairs=None, dispatch=None, window=None, **_):
+    d = dispatch_of(world_size, positions, pairs, dispatch, window)
+    if d is not None:
+        return d.shard(x, rank, dim)
     return pairs_shard(x, rank, world_size, pairs_of(x.shape[dim], world_size, positions, pairs), dim)
 
 
-def unshard(shards, dim=1, positions=None, pairs=None, **_):
+def unshard(shards, dim=1, positions=None, pairs=None, dispatch=None, window=None, **_):
+    d = dispatch_of(len(shards), positions, pairs, dispatch, window)
+    if d is not None:
+        return d.unshard(shards, dim)
     length = sum(s.shape[dim] for s in shards)
     return pairs_unshard(shards, pairs_of(length, len(shards), positions, pairs), dim)

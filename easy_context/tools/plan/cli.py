@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kernel", default=None, help="attention backend for the sp modes: fa4 (default on Hopper), cudnn, flash")
     a("--top", type=int, default=10, help="rows to print")
     a("--json", action="store_true", help="machine-readable: every candidate, fitting first, fastest first")
+    a("--doc-median", type=float, default=None, help="packed rows: median document length (log-normal); prints the "
+      "predicted per-rank balance and attention time of zigzag, k pairs and the dispatch (tools/plan/packed.py)")
+    a("--doc-sigma", type=float, default=1.5, help="packed rows: log-normal sigma of the document lengths")
     return p
 
 
@@ -130,6 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nrecommended (predicted {best['tokens_per_s']:.0f} tok/s, {100 * best['mfu']:.1f}% MFU, "
               f"GPU {best['gpu_peak_gib']:.1f} GiB, host {best['host_peak_gib_per_node']:.0f} GiB/node):")
         print("  " + best["command"])
+    if args.doc_median is not None:  # the fastest fitting ring candidate (the one a dispatch applies to)
+        from .packed import packed_report
+        ring = [r for r in fits if r["mode"] in ("zigzag_ring_attn", "usp_attn", "dist_flash_attn")
+                and (r["ring"] or r["sp"]) > 1]
+        w = (ring[0]["ring"] or ring[0]["sp"]) if ring else env.world
+        tput = g["attn_fwd_bwd_tflops"][args.kernel or g["default_kernel"]]
+        tflops = float(tput[max(tput, key=lambda n: int(n) if int(n) <= args.seq_length else -1)])
+        print(f"\n{'the fastest fitting ring layout: ' + ring[0]['mode'] if ring else 'no ring layout fits'}")
+        print(packed_report(args.seq_length, w, shape.heads, shape.head_dim, tflops, args.doc_median, args.doc_sigma))
     if env.world > 1:
         print("note: " + MULTI_GPU_NOTE)
     print("note: predictions, not measurements; single-H200 points are checked by bench/plan_validation.py")
