@@ -49,7 +49,7 @@ def shard_sequence(seq_algo, tensor: torch.Tensor, rank: int, world_size: int, d
 
 def unshard_sequence(seq_algo, shards, dim: int = 1, **kw) -> torch.Tensor:
     """Inverse of ``shard_sequence``: all ranks' shards in rank order -> the full tensor. Pass the same
-    ``positions=`` as to ``shard_sequence`` (the global positions, or the rank-order concatenation of the local
+    ``positions=`` as to ``shard_sequence`` (the global positions; for the k-pair layout also the rank-order concatenation of the local
     ones: the packed test reads the same on both)."""
     shards = list(shards)
     if not shards:

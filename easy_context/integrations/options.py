@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..memory import CHECKPOINTING
-from ..registry import SEQ_ALGOS
+from ..registry import DEFAULT_MODE, SEQ_ALGOS
 
 
 @dataclass
@@ -17,7 +17,7 @@ class SeqParallelOptions:
     ``easy_context.memory.CHECKPOINTING``, e.g. "offload"), offload_every_k, tiled_mlp, fused_ops (lean RMSNorm +
     fused RoPE), attn_backend (e.g. "fa4", "cudnn"; sets ``EASY_CONTEXT_ATTN_BACKEND`` for this process).
     pad_to_multiple: append a filler document to rows the layout cannot cut (else such a batch is an error)."""
-    mode: str = "zigzag_ring_attn"
+    mode: str = DEFAULT_MODE
     sp_size: int | None = None
     ring_degree: int | None = None
     chunked_loss: bool = False

@@ -30,6 +30,7 @@ import torch
 
 from .batches import TARGETS, BatchError, shard_batch
 from .options import SeqParallelOptions, check_trainer
+from ..registry import DEFAULT_MODE
 
 _CLASSES: dict = {}  # trainer class -> its sequence-parallel subclass (classes only, no process state)
 
@@ -193,8 +194,8 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
         if handler is not None:
             handler.find_unused_parameters = False
     layout = ParallelLayout.build(opts.mode, sp_size=opts.sp_size, ring_degree=opts.ring_degree)  # collective
-    if opts.mode != "data_parallel":
-        apply_seq_parallel_monkey_patch(opts.mode, base, layout=layout)
+    if layout.mode.is_parallel:
+        apply_seq_parallel_monkey_patch(base, layout)
     if opts.checkpointing is not None or opts.tiled_mlp:
         configure_memory(base, checkpointing=opts.checkpointing or "none", offload_every_k=opts.offload_every_k,
                          tiled_mlp=opts.tiled_mlp)
@@ -213,7 +214,7 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     trainer.__class__ = _sp_class(type(trainer))
 
 
-def enable_sequence_parallel(trainer, mode: str = "zigzag_ring_attn", sp_size: int | None = None,
+def enable_sequence_parallel(trainer, mode: str = DEFAULT_MODE, sp_size: int | None = None,
                              ring_degree: int | None = None, **options):
     """Turn on sequence parallelism for a constructed ``transformers.Trainer`` / ``trl.SFTTrainer`` (call it on every
     rank, before ``train()``). ``options``: the rest of ``SeqParallelOptions`` (chunked_loss, checkpointing,

@@ -120,7 +120,8 @@ def oom_message(args, step: int) -> str:
     """The length, the options in use, and what ``python -m easy_context plan`` suggests for this shape."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    sp = args.sp_size or (1 if args.parallel_mode == "data_parallel" else world)
+    from ..registry import get_mode
+    sp = args.sp_size or (world if get_mode(args.parallel_mode).is_parallel else 1)
     opts = [f"--seq-length {args.seq_length}", f"--parallel_mode {args.parallel_mode}", f"sp {sp} x dp {world // sp}",
             f"--batch-size {args.batch_size}", f"--checkpointing {args.checkpointing}",
             "--chunked-loss" if args.chunked_loss else "no --chunked-loss",

@@ -21,7 +21,9 @@ import time
 
 from .case import RTOL_FP32, Case
 
-SP_MODES = ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
+from ...registry import SEQ_ALGOS, get_mode
+
+SP_MODES = tuple(n for n in SEQ_ALGOS if get_mode(n).is_parallel)  # the built-in sp modes
 FEATURES = {  # name -> what the row checks
     "base": "plain rows (causal attention over the whole row)",
     "packed": "packed documents (position_ids restart at 0; the reference runs each document alone)",

@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + best["command"])
     if args.doc_median is not None:  # the fastest fitting ring candidate (the one a dispatch applies to)
         from .packed import packed_report
-        ring = [r for r in fits if r["mode"] in ("zigzag_ring_attn", "usp_attn", "dist_flash_attn")
-                and (r["ring"] or r["sp"]) > 1]
+        from ...registry import get_mode
+        ring = [r for r in fits if get_mode(r["mode"]).dispatches and (r["ring"] or r["sp"]) > 1]
         w = (ring[0]["ring"] or ring[0]["sp"]) if ring else env.world
         tput = g["attn_fwd_bwd_tflops"][args.kernel or g["default_kernel"]]
         tflops = float(tput[max(tput, key=lambda n: int(n) if int(n) <= args.seq_length else -1)])
