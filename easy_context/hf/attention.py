@@ -102,6 +102,8 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, **groups):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError(f"{mode.name}: a KV cache is not supported inside sequence-parallel attention; "
                              "call the model with use_cache=False")
+        if sliding_window is None:  # Qwen2-MoE (transformers 5.24) keeps its window on the module and windows
+            sliding_window = getattr(module, "sliding_window", None)  # through the mask only, never in the call
         docs = _documents(mode, groups, state, kwargs.get("position_ids"))
         length = query.shape[2] * _sp_size(mode, groups)
         if sliding_window is not None and sliding_window < length:  # a local layer: same blocks, windowed

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..memory import CHECKPOINTING
-from ..registry import DEFAULT_MODE, SEQ_ALGOS
+from ..registry import DEFAULT_MODE, mode_names
 
 
 @dataclass
@@ -38,7 +38,7 @@ class SeqParallelOptions:
 
     def validate(self) -> None:
         from ..kernels import BACKENDS
-        if self.mode not in SEQ_ALGOS:
+        if self.mode not in mode_names():
             raise ValueError(f"mode={self.mode!r} is not a sequence-parallel mode; choose one of {SEQ_ALGOS}")
         if self.checkpointing is not None and self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"checkpointing={self.checkpointing!r}: choose one of {CHECKPOINTING} (or None to leave "

@@ -57,7 +57,8 @@ TINY = {  # family -> (transformers config class, its settings)
 _QWEN_WINDOW = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 0}
 WINDOWED = {"mistral": {"sliding_window": WINDOW}, "mixtral": {"sliding_window": WINDOW},
             "phi3": {"sliding_window": WINDOW}, "gemma3": {"sliding_window": WINDOW},
-            "qwen2": _QWEN_WINDOW, "qwen3": _QWEN_WINDOW, "qwen2_moe": _QWEN_WINDOW, "qwen3_moe": _QWEN_WINDOW}
+            "qwen2": _QWEN_WINDOW, "qwen3": _QWEN_WINDOW, "qwen3_moe": _QWEN_WINDOW,
+            "qwen2_moe": {**_QWEN_WINDOW, "max_window_layers": 1}}  # its layers below max_window_layers slide
 
 
 class Refused(Exception):
