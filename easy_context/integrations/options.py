@@ -39,7 +39,7 @@ class SeqParallelOptions:
     def validate(self) -> None:
         from ..kernels import BACKENDS
         if self.mode not in mode_names():
-            raise ValueError(f"mode={self.mode!r} is not a sequence-parallel mode; choose one of {SEQ_ALGOS}")
+            raise ValueError(f"mode={self.mode!r} is not a sequence-parallel mode; choose one of {mode_names()}")
         if self.checkpointing is not None and self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"checkpointing={self.checkpointing!r}: choose one of {CHECKPOINTING} (or None to leave "
                              "it to TrainingArguments.gradient_checkpointing)")
