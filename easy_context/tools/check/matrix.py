@@ -94,7 +94,8 @@ def plan_cell(family: str, mode: str, feature: str, world: int, seed: int = 0) -
             check_rope_for_sp(config, mode)
     except UsageError as e:
         raise Refused(str(e).replace(f"--parallel_mode {mode}", "a sequence-parallel mode")) from None
-    ring = 2 if mode == "usp_attn" and world >= 4 else (world if mode == "usp_attn" else None)
+    hybrid = get_mode(mode).hybrid  # ring x ulysses: a real 2 x 2 split from 4 ranks
+    ring = (2 if world >= 4 else world) if hybrid else None
     layout = ParallelLayout.build(mode, sp_size=world, ring_degree=ring, world_size=world)
     try:
         layout.check_heads(config.num_attention_heads, config.num_key_value_heads)
