@@ -26,7 +26,7 @@ case "${1:-}" in
     cat /tmp/keep/part.aa .fa4b/part.ab > "/tmp/keep/$CU13"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "/tmp/keep/$CU13" .fa4b/*.whl
     if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
-    python3 -c "from easy_context import fa4; print('fa4 usable:', fa4.usable(0))" ;;
+    python3 -c "from easy_context.kernels import fa4; print('fa4 usable:', fa4.usable(0))" ;;
   kernels)
     python3 -m pytest -q -p no:cacheprovider tests/test_fa4_backend.py tests/test_kernels.py 2>&1 | tail -5 || true
     python3 bench/bench_kernels.py 2>&1 | grep -v Warn | tee "$OUT/kernels.log" | tail -24

@@ -110,6 +110,10 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, **groups):
             docs = _one_document(state, query.shape[0], length) if docs is None else docs
             docs = docs.with_window(sliding_window)
         extra = {"docs": docs} if docs is not None else {}
+        if not (query.dtype == key.dtype == value.dtype):  # autocast: RoPE's fp32 cos/sin promote q and k only;
+            dt = (torch.get_autocast_dtype(query.device.type)  # SDPA would cast all three to the autocast dtype
+                  if torch.is_autocast_enabled(query.device.type) else value.dtype)
+            query, key, value = query.to(dt), key.to(dt), value.to(dt)
         out = fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout,
                  softmax_scale=scaling, causal=True, **groups, **extra)
         return out, None
