@@ -292,6 +292,8 @@ def _patch_instance(seq_algo, model, groups):
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
+    from .recurrent.patch import apply as patch_recurrent_layers
+    patch_recurrent_layers(seq_algo, model, groups)  # refuses layers it cannot run exactly (issue #30)
     family = getattr(model.config, "model_type", None)
     family = family_of_model_type(family)
     if family in FAMILIES:

@@ -39,6 +39,11 @@ def plan_case(args) -> tuple[Case, dict]:
     if args.rope_theta is not None:
         set_theta(config, lambda _: args.rope_theta)
     config, notes = shrink_config(config, args.layers, args.hidden, args.intermediate, args.vocab)
+    try:  # a recurrent layer without an exact sequence-parallel path is refused up front (issue #30)
+        from easy_context.recurrent.detect import check_config
+        check_config(args.mode, config)
+    except ValueError as e:
+        raise CheckUsageError(str(e)) from None
     q, kv, hd = _heads(config)
     try:
         layout.check_heads(q, kv)

@@ -1,0 +1,60 @@
+"""Hybrid (softmax + recurrent) models under sequence parallelism (issue #30).
+
+Refusal: a recurrent / linear-attention / short-convolution layer without an adapter is refused by every
+sequence-parallel mode with one line naming its class and the model type — never a silent wrong run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from easy_context import apply_seq_parallel_monkey_patch
+from easy_context.recurrent import supported_classes
+from easy_context.recurrent.detect import recurrent_layers
+from tests.hybrid_models import REFUSED, SUPPORTED, build_hybrid, make_hybrid_config
+
+SP_MODES = ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
+
+
+@pytest.mark.parametrize("family", SUPPORTED + REFUSED)
+def test_unsupported_recurrent_layers_are_refused(family):
+    model = build_hybrid(family)
+    layers = recurrent_layers(model)
+    assert layers, f"{family}: no recurrent layer detected"
+    unsupported = [m for _, m in layers if type(m).__name__ not in supported_classes()]
+    impl = model.config._attn_implementation
+    for mode in SP_MODES:
+        if not unsupported:
+            break
+        with pytest.raises(ValueError) as e:
+            apply_seq_parallel_monkey_patch(mode, model)
+        msg = str(e.value)
+        assert "\n" not in msg, msg
+        assert type(unsupported[0]).__name__ in msg and repr(model.config.model_type) in msg, msg
+        assert model.config._attn_implementation == impl, f"{family}: patched before refusing"
+    apply_seq_parallel_monkey_patch("data_parallel", model)  # plain data parallel never refuses
+
+
+def test_unknown_recurrent_config_is_refused():
+    """A recurrent layer kind no module check recognises is still refused from the config's layer_types."""
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = make_hybrid_config("lfm2")
+            self.config.layer_types = ["full_attention", "retention"]
+    from easy_context.recurrent import check_supported
+    with pytest.raises(ValueError, match=r"layer_types \['retention'\]"):
+        check_supported("ulysses_attn", Plain())
+
+
+def test_softmax_only_families_have_no_recurrent_layer():
+    from tests.model_equiv import EXTRA_FAMILIES, FAMILIES, build_model
+    for family in FAMILIES + EXTRA_FAMILIES:
+        assert recurrent_layers(build_model(family)) == [], family
+
+
+def test_check_refuses_before_any_rank(tmp_path, capsys):
+    from easy_context.tools.check import main
+    make_hybrid_config("nemotron_h").save_pretrained(tmp_path)
+    assert main(["--model", str(tmp_path), "--parallel_mode", "ulysses_attn", "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "NemotronHMamba2Mixer" in err and "nemotron_h" in err, err
