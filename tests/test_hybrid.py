@@ -58,3 +58,48 @@ def test_check_refuses_before_any_rank(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--parallel_mode", "ulysses_attn", "--world", "2"]) == 2
     err = capsys.readouterr().err
     assert "NemotronHMamba2Mixer" in err and "nemotron_h" in err, err
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+# Every case: logits (unsharded), loss and every gradient (summed over the sp group) of the patched model equal one
+# process on the full rows (each packed document alone) within 1e-5 relative (float32; tests/model_equiv.py).
+def _packed(batch, seq_len, seed):
+    from easy_context.tools.check.rank import packed_positions  # random restarts, rows differ
+    return packed_positions(batch, seq_len, seed)
+
+
+def _cases(world_size):
+    """(mode, layout kwargs, family, packed) for one spawn: every mode x supported family, plain and packed."""
+    from easy_context import ParallelLayout
+    usp = ParallelLayout.build("usp_attn", ring_degree=2)  # W=2: ring 2 x ulysses 1; W=4: ring 2 x ulysses 2
+    modes = [("zigzag_ring_attn", {}), ("ulysses_attn", {}), ("dist_flash_attn", {}),
+             ("usp_attn", dict(layout_kw=usp.layout_kw, groups=usp.attn_groups(), sp_group=usp.sp_group))]
+    fams = SUPPORTED if world_size == 2 else ("qwen3_next", "lfm2")
+    return [(m, kw, f, packed) for m, kw in modes for f in fams for packed in (False, True)]
+
+
+def _equivalence_body(rank, world_size):
+    import os
+
+    from easy_context.recurrent.chain import DROP_STATE_ENV
+    from tests.model_equiv import check_model_equivalence
+    for mode, kw, family, packed in _cases(world_size):
+        pos = _packed(2, 32, seed=3) if packed else None
+        check_model_equivalence(rank, world_size, mode, family, position_ids=pos, **kw)
+    # the mutation: the states crossing ranks replaced by zeros -> the comparison must fail
+    for family in ("qwen3_next", "lfm2"):
+        os.environ[DROP_STATE_ENV] = "1"
+        try:
+            check_model_equivalence(rank, world_size, "zigzag_ring_attn", family)
+        except AssertionError as e:
+            assert "relative error" in str(e), str(e)
+        else:
+            raise AssertionError(f"{family}: dropping the recurrent state exchange went unnoticed")
+        finally:
+            os.environ.pop(DROP_STATE_ENV)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hybrid_models_equal_one_process(world_size):
+    from tests.harness import run_ranks
+    run_ranks(_equivalence_body, world_size, timeout=900)

@@ -68,7 +68,7 @@ class HybridCacheAdapter:
     def _run(self, layer, x, state):
         cache = _StateCache(state[0], state[1] if len(state) > 1 else None)
         out = type(layer).forward(layer, x, cache=cache)  # the class's forward: the instance one is our wrapper
-        final = (cache.window,) + ((cache.recurrent.float(),) if len(state) > 1 else ())
+        final = (cache.window.to(state[0].dtype),) + ((cache.recurrent.float(),) if len(state) > 1 else ())
         return out, final
 
     def run_chunk(self, layer, hidden_states, state, resets):
