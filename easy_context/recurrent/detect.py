@@ -122,4 +122,19 @@ class _Shell(torch.nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-__all__ = ["is_recurrent", "recurrent_layers", "check_supported", "check_config"]
+def refuse_in_inference(model) -> None:
+    """SeqParallelLM (eval_needle / eval_ppl) decodes with its own attention and keeps no recurrent state: refuse."""
+    layers = recurrent_layers(model)
+    if layers:
+        name, m = layers[0]
+        raise ValueError(f"SeqParallelLM: {type(m).__name__} (layer {name}) of model type "
+                         f"{getattr(model.config, 'model_type', None)!r} carries a recurrent state that the sequence-"
+                         "parallel evaluation engine does not keep yet; evaluate this model with model.generate on one "
+                         "process")
+    hint = _config_hint(getattr(model, "config", None)) if getattr(model, "config", None) is not None else None
+    if hint is not None:
+        raise ValueError(f"SeqParallelLM: model type {model.config.model_type!r} has recurrent layers ({hint}) that "
+                         "the sequence-parallel evaluation engine does not support")
+
+
+__all__ = ["is_recurrent", "recurrent_layers", "check_supported", "check_config", "refuse_in_inference"]

@@ -54,7 +54,11 @@ def _record_positions(ctx):
 
 def _forward_for(ctx, layer, adapter):
     def forward(hidden_states, *args, cache=None, attention_mask=None, **kwargs):
-        if cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("cache_params") is not None:
+        has_cache = cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("cache_params") is not None
+        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        if (has_cache or padded) and ctx.seq_algo == "data_parallel":  # one process, generation: the layer as it is
+            return type(layer).forward(layer, hidden_states, *args, cache=cache, attention_mask=attention_mask, **kwargs)
+        if has_cache:
             raise ValueError(f"{ctx.seq_algo}: a cache is not supported in the sequence-parallel recurrent layers; "
                              "call the model with use_cache=False")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
@@ -77,11 +81,15 @@ def _unpatch(model) -> None:
 
 
 def apply(seq_algo: str, model, groups: dict) -> None:
-    if seq_algo == "data_parallel":
-        _unpatch(model)
-        return
-    layers = check_supported(seq_algo, model)
+    """Patch ``model``'s recurrent layers for ``seq_algo``. ``data_parallel``: the supported layers still honour
+    document restarts in position_ids (one process, one piece; identical to the plain layer on unpacked rows and
+    with a cache); unsupported ones stay plain (nothing is cut)."""
     _unpatch(model)
+    if seq_algo == "data_parallel":
+        from .detect import recurrent_layers
+        layers = [(n, m) for n, m in recurrent_layers(model) if get_adapter(m) is not None]
+    else:
+        layers = check_supported(seq_algo, model)
     if not layers:
         return
     ctx = _Context(seq_algo, dict(groups))
