@@ -262,6 +262,8 @@ def apply_seq_parallel_monkey_patch(seq_algo: str, model, ring_degree: int | Non
 
 
 def _patch_family(seq_algo, family, groups):
+    from .recurrent.patch import refuse_family
+    refuse_family(seq_algo, _FAMILY_TABLE[family])  # hybrids are patched per instance (issue #30)
     check_transformers_compat(family)
     mod = _family_module(family)
     from transformers.modeling_utils import AttentionInterface

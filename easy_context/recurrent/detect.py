@@ -100,20 +100,20 @@ def check_supported(seq_algo: str, model) -> list[tuple[str, torch.nn.Module]]:
 
 
 
-def check_config(seq_algo: str, config) -> None:
-    """check_supported for a config alone (``python -m easy_context check``, before any rank starts): the model is
+def check_config(seq_algo: str, config) -> list[tuple[str, str]]:
+    """(name, class name) of the recurrent layers; check_supported for a config alone (``python -m easy_context check``, before any rank starts): the model is
     built on the meta device (no memory, no weights). A config that cannot be built that way is left to the ranks."""
-    if seq_algo == "data_parallel":
-        return
     import transformers
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - the ranks build it for real and report
-        if _config_hint(config) is not None:
+        if _config_hint(config) is not None and seq_algo != "data_parallel":
             check_supported(seq_algo, _Shell(config))
-        return
-    check_supported(seq_algo, model)
+        return []
+    if seq_algo == "data_parallel":
+        return [(n, type(m).__name__) for n, m in recurrent_layers(model)]
+    return [(n, type(m).__name__) for n, m in check_supported(seq_algo, model)]
 
 
 class _Shell(torch.nn.Module):

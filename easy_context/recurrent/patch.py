@@ -101,4 +101,11 @@ def apply(seq_algo: str, model, groups: dict) -> None:
     setattr(model, _ATTR, ctx)
 
 
-__all__ = ["apply"]
+def refuse_family(seq_algo: str, family) -> None:
+    """A family-string patch cannot reach the recurrent layers (they are wrapped per instance): refuse it."""
+    if family.recurrent and seq_algo != "data_parallel":
+        raise ValueError(f"{family.name} has recurrent layers ({', '.join(family.recurrent)}) that are patched per "
+                         f"model: pass the model instance, apply_seq_parallel_monkey_patch({seq_algo!r}, model)")
+
+
+__all__ = ["apply", "refuse_family"]
