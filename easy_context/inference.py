@@ -174,8 +174,6 @@ class SeqParallelLM:
                              f"ring_degree={ring_degree})")
         seq_algo = layout.seq_algo if layout is not None else (seq_algo or "zigzag_ring_attn")
         algo = get_algo(seq_algo)
-        from .recurrent.detect import refuse_in_inference
-        refuse_in_inference(model)  # issue #30: the decode path keeps no recurrent state yet
         self.model, self.seq_algo, self.chunk_tokens = model, seq_algo, chunk_tokens
         if groups is None:
             layout = layout or ParallelLayout.build(seq_algo, ring_degree=ring_degree)
@@ -194,6 +192,9 @@ class SeqParallelLM:
         self.layout_kw = layout.layout_kw if layout is not None else algo.layout_kw(ring_degree=ring_degree)
         self.device = next(model.parameters()).device
         self.state = _State()
+        from .recurrent.inference import attach  # hybrids (issue #30): chain prefill, replicated decode state
+        self._recurrent = attach(model, seq_algo if self.world > 1 else "data_parallel", self.groups, self.state,
+                                 self.group)
         self._sp_attn = make_attention_fn(seq_algo, **self.groups) if self.world > 1 else None
         state, engine = self.state, self
 
@@ -232,6 +233,9 @@ class SeqParallelLM:
     def close(self):
         """Give the model its previous attention implementation back."""
         self.model.set_attn_implementation(self._prev_attn)
+        if self._recurrent is not None:
+            from .recurrent.inference import detach
+            detach(self.model)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _shard(self, full: torch.Tensor, pad_value: int):
@@ -304,6 +308,8 @@ class SeqParallelLM:
         st.prompt_kv, st.gen_kv = {}, {}
         try:
             st.phase = "prefill"
+            if self._recurrent is not None:
+                self._recurrent.prompt_len = n
             pos = self._local_positions(n, 1)[0]
             st.keep = pos < n
             st.prompt_pos = pos[st.keep]

@@ -132,7 +132,45 @@ def test_document_resets_on_one_process(mode):
             assert all("forward" in m.__dict__ for _, m in recurrent_layers(sp))
 
 
-def test_eval_engine_refuses_recurrent_models():
+def test_eval_engine_refuses_unsupported_recurrent_models():
     from easy_context.inference import SeqParallelLM
-    with pytest.raises(ValueError, match="Lfm2ShortConv"):
-        SeqParallelLM(build_hybrid("lfm2").eval(), "data_parallel")
+    with pytest.raises(ValueError, match="NemotronHMamba2Mixer"):
+        SeqParallelLM(build_hybrid("nemotron_h").eval(), "data_parallel")
+
+
+# ---------------------------------------------------------------------------------------------- eval engine
+def _generate_body(rank, world_size):
+    """SeqParallelLM (eval_needle's engine): greedy tokens, teacher-forced argmax and NLL of a hybrid equal
+    model.generate / the plain model on one process, for every mode on the world and for one process."""
+    from easy_context.inference import SeqParallelLM, sp_group_kwargs
+    from tests.tols import assert_close
+    for family in ("qwen3_5", "lfm2"):
+        model = build_hybrid(family).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)  # sharper: greedy continuations follow the context
+        g = torch.Generator().manual_seed(11)
+        ids = torch.randint(2, model.config.vocab_size, (1, 37), generator=g)  # 37: padded to the layout's multiple
+        ans = torch.randint(2, model.config.vocab_size, (1, 5), generator=g)
+        with torch.no_grad():
+            ref_gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+            full = model(torch.cat([ids, ans], 1)).logits[0]
+            ref_tf = full[36:41].argmax(-1)
+            tgt = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
+            ref_nll = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1].double(), ids[0, 1:],
+                                                        reduction="sum")
+        for mode in ("data_parallel", "zigzag_ring_attn", "ulysses_attn", "usp_attn", "dist_flash_attn"):
+            groups = sp_group_kwargs(mode) if mode != "data_parallel" else None
+            eng = SeqParallelLM(model, mode, groups=groups)
+            tag = f"{family} {mode} W={eng.world}"
+            got = eng.generate(ids, 8)
+            assert got == ref_gen, f"{tag}: generate {got} != model.generate {ref_gen}"
+            assert torch.equal(eng.teacher_forced(ids, ans)[0], ref_tf), tag
+            s, c = eng.nll(ids, tgt)
+            assert c == 36 and abs(s - float(ref_nll)) <= 1e-5 * float(ref_nll), (tag, s, float(ref_nll))
+            eng.close()
+
+
+def test_eval_engine_generates_like_one_process():
+    from tests.harness import run_ranks
+    run_ranks(_generate_body, 2, timeout=600)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import Plan
+from .zero3 import gathered
 
 # test hook (the mutation the tests run): "1" replaces every state received from another rank by zeros, i.e.
 # drops the state exchange; the equivalence test must then fail.
@@ -52,9 +53,10 @@ def _resets(plan: Plan, p):
     return None if plan.resets is None else plan.resets[:, p.offset:p.offset + p.length]
 
 
-def chain_forward(plan: Plan, adapter, layer, x: torch.Tensor):
+def chain_forward(plan: Plan, adapter, layer, x: torch.Tensor, capture: dict | None = None):
     """(output (B, S, ...), {piece index: incoming state}) for this rank's pieces; no autograd graph kept
-    unless the caller enables it."""
+    unless the caller enables it. ``capture``: {global index: None} -> filled with the state before that token
+    where this rank computed it (the plan must have a piece boundary there, ``Plan.cut_at``)."""
     pieces, me = plan.pieces, plan.me
     outs, states_in = {}, {}
     state = None
@@ -68,6 +70,8 @@ def chain_forward(plan: Plan, adapter, layer, x: torch.Tensor):
         states_in[i] = state
         out, state = adapter.run_chunk(layer, x[:, p.offset:p.offset + p.length], state, _resets(plan, p))
         state = tuple(state)
+        if capture is not None and p.start + p.length in capture:
+            capture[p.start + p.length] = state
         outs[p.offset] = out
         if i + 1 < len(pieces) and pieces[i + 1].owner != me:
             _send(state, states_in[i], pieces[i + 1].owner)
@@ -77,7 +81,7 @@ def chain_forward(plan: Plan, adapter, layer, x: torch.Tensor):
 class _Chain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, adapter, layer, x, *params):
-        out, states_in = chain_forward(plan, adapter, layer, x)
+        out, states_in = chain_forward(plan, adapter, layer, x)  # parameters gathered by run_layer
         order = sorted(states_in)
         ctx.plan, ctx.adapter, ctx.layer, ctx.order = plan, adapter, layer, order
         ctx.n_state = len(states_in[order[0]]) if order else 0
@@ -95,45 +99,52 @@ class _Chain(torch.autograd.Function):
         params = [p for p in layer.parameters() if p.requires_grad]
         d_x = torch.zeros_like(x)
         d_params = [None] * len(params)
-        pieces = plan.pieces
-        d_state = None
-        for i in range(len(pieces) - 1, -1, -1):
-            p = pieces[i]
-            if p.owner != me:
-                continue
-            if i + 1 < len(pieces) and pieces[i + 1].owner != me:
-                d_state = _recv(_zeros(adapter, layer, x), pieces[i + 1].owner)
-            elif i + 1 == len(pieces):
-                d_state = None
-            sl = slice(p.offset, p.offset + p.length)
-            with torch.enable_grad():
-                xp = x[:, sl].detach().requires_grad_(x.requires_grad)
-                s_in = tuple(s.detach().requires_grad_() for s in states_in[i])
-                out, s_out = adapter.run_chunk(layer, xp, s_in, _resets(plan, p))
-                outs, grads = [out], [d_out[:, sl]]
-                if d_state is not None:
-                    for s, g in zip(s_out, d_state):
-                        if s.requires_grad:
-                            outs.append(s)
-                            grads.append(g.to(s.dtype))
-                inputs = [xp, *s_in, *params] if x.requires_grad else [*s_in, *params]
-                got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
-            if x.requires_grad:
-                d_x[:, sl] = got[0] if got[0] is not None else 0
-                got = got[1:]
-            d_s_in = tuple(g if g is not None else torch.zeros_like(s) for g, s in zip(got[:k], s_in))
-            for j, g in enumerate(got[k:]):
-                if g is not None:
-                    d_params[j] = g if d_params[j] is None else d_params[j] + g
-            d_state = d_s_in
-            if i > 0 and pieces[i - 1].owner != me:
-                _send(d_s_in, s_in, pieces[i - 1].owner)
+        with gathered(layer):
+            _backward_chain(plan, adapter, layer, x, d_out, states_in, params, d_x, d_params, k)
         return (None, None, None, d_x if x.requires_grad else None, *d_params)
+
+
+def _backward_chain(plan, adapter, layer, x, d_out, states_in, params, d_x, d_params, k):
+    pieces, me = plan.pieces, plan.me
+    d_state = None
+    for i in range(len(pieces) - 1, -1, -1):
+        p = pieces[i]
+        if p.owner != me:
+            continue
+        if i + 1 < len(pieces) and pieces[i + 1].owner != me:
+            d_state = _recv(_zeros(adapter, layer, x), pieces[i + 1].owner)
+        elif i + 1 == len(pieces):
+            d_state = None
+        sl = slice(p.offset, p.offset + p.length)
+        with torch.enable_grad():
+            xp = x[:, sl].detach().requires_grad_(x.requires_grad)
+            s_in = tuple(s.detach().requires_grad_() for s in states_in[i])
+            out, s_out = adapter.run_chunk(layer, xp, s_in, _resets(plan, p))
+            outs, grads = [out], [d_out[:, sl]]
+            if d_state is not None:
+                for s, g in zip(s_out, d_state):
+                    if s.requires_grad:
+                        outs.append(s)
+                        grads.append(g.to(s.dtype))
+            inputs = [xp, *s_in, *params] if x.requires_grad else [*s_in, *params]
+            got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+        if x.requires_grad:
+            d_x[:, sl] = got[0] if got[0] is not None else 0
+            got = got[1:]
+        d_s_in = tuple(g if g is not None else torch.zeros_like(s) for g, s in zip(got[:k], s_in))
+        for j, g in enumerate(got[k:]):
+            if g is not None:
+                d_params[j] = g if d_params[j] is None else d_params[j] + g
+        d_state = d_s_in
+        if i > 0 and pieces[i - 1].owner != me:
+            _send(d_s_in, s_in, pieces[i - 1].owner)
 
 
 def run_layer(plan: Plan, adapter, layer, x: torch.Tensor) -> torch.Tensor:
     """The layer's output for this rank's tokens, exact for the global sequence (forward and backward)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
-        return chain_forward(plan, adapter, layer, x)[0]
-    return _Chain.apply(plan, adapter, layer, x, *params)
+        with gathered(layer):
+            return chain_forward(plan, adapter, layer, x)[0]
+    with gathered(layer):  # before apply: autograd records the parameters' full shapes
+        return _Chain.apply(plan, adapter, layer, x, *params)

@@ -20,6 +20,7 @@ class Piece:
     owner: int    # global rank holding these tokens
     offset: int   # first local index on that rank
     length: int
+    start: int = 0  # first global index
 
 
 @dataclass
@@ -31,6 +32,17 @@ class Plan:
     @property
     def single(self) -> bool:
         return all(p.owner == self.me for p in self.pieces)
+
+    def cut_at(self, index: int) -> "Plan":
+        """The same plan with a piece boundary at global ``index`` (so the state there can be read)."""
+        out = []
+        for p in self.pieces:
+            k = index - p.start
+            if 0 < k < p.length:
+                out += [Piece(p.owner, p.offset, k, p.start), Piece(p.owner, p.offset + k, p.length - k, index)]
+            else:
+                out.append(p)
+        return Plan(self.me, tuple(out), self.resets)
 
 
 def _me() -> int:
@@ -57,7 +69,7 @@ def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, b
         position_ids = position_ids.expand(batch, -1)
     resets = _resets(position_ids, length)
     if not (dist.is_available() and dist.is_initialized()) or seq_algo == "data_parallel":
-        return Plan(me, (Piece(me, 0, length),), resets)
+        return Plan(me, (Piece(me, 0, length, 0),), resets)
     if position_ids is None:
         raise ValueError(f"{seq_algo}: the recurrent layers need position_ids (from prepare_seq_parallel_inputs) "
                          "to know where this rank's tokens lie in the sequence; pass position_ids= to the model")
@@ -68,6 +80,6 @@ def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, b
     pieces, start = [], 0
     for j in range(1, len(owner) + 1):
         if j == len(owner) or owner[j] != owner[j - 1] or off[j] != off[j - 1] + 1:
-            pieces.append(Piece(owner[start], off[start], j - start))
+            pieces.append(Piece(owner[start], off[start], j - start, start))
             start = j
     return Plan(me, tuple(pieces), resets)

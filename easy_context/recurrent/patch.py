@@ -27,6 +27,7 @@ class _Context:
         self._plan = None  # (weakref to position ids, version, batch, length, Plan)
         self.hook = None
         self.layers: list = []
+        self.infer = None  # SeqParallelLM's decode handle (inference.py), None in training
 
     def groups(self) -> dict:
         if "ring_degree" in self._groups:  # no process group at patch time: built now, collectively
@@ -64,6 +65,8 @@ def _forward_for(ctx, layer, adapter):
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError(f"{ctx.seq_algo}: padding (attention_mask with zeros) is not supported in the "
                              "sequence-parallel recurrent layers; pack documents and mark them with position_ids")
+        if ctx.infer is not None:  # SeqParallelLM: forward / prefill / decode (inference.py)
+            return ctx.infer.run(ctx, layer, hidden_states)
         plan = ctx.plan(hidden_states.shape[0], hidden_states.shape[1])
         return run_layer(plan, adapter, layer, hidden_states)
     return forward
