@@ -207,16 +207,28 @@ def _hybrid_toy(base: str, family: str) -> dict:
 
 @pytest.mark.slow
 def test_train_py_hybrid_zigzag_equals_one_process(tmp_path):
-    """train.py end to end (accelerate + DeepSpeed ZeRO-3 on CPU, float32): a gated-DeltaNet hybrid on packed
-    documents, zigzag on 2 gloo ranks, gives the loss curve of one process (data_parallel, same resets)."""
+    """train.py end to end on CPU (float32, Accelerate's DDP over gloo: DeepSpeed ZeRO-3 is refused for these
+    layers for now, zero3.py): a gated-DeltaNet hybrid on packed documents, zigzag on 2 ranks, gives the loss curve
+    of one process (data_parallel, which resets the state at the same document starts)."""
+    import os
+    import subprocess
+    import sys
+
     from tests import test_train as T
     toy = _hybrid_toy(str(tmp_path / "toy"), "qwen3_5")
     curves = {}
     for nproc, mode in ((1, "data_parallel"), (2, "zigzag_ring_attn")):
         out = tmp_path / mode
-        T._ok(T.launch(nproc, ["--model", toy["model"], "--dataset", toy["data"], "--output-dir", str(out),
-                               "--parallel_mode", mode, *T.COMMON, "--no-save-model"], timeout=900))
+        args = ["--model", toy["model"], "--dataset", toy["data"], "--output-dir", str(out), "--parallel_mode", mode,
+                *T.COMMON, "--no-save-model"]
+        launcher = [sys.executable] if nproc == 1 else [
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+            str(T.free_port())]
+        p = subprocess.run([*launcher, os.path.join(T.ROOT, "train.py"), *args], cwd=T.ROOT,
+                           env=T._env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=900)
+        T._ok(p)
         curves[mode] = T.losses(out)
     ref, got = curves["data_parallel"], curves["zigzag_ring_attn"]
-    assert len(got) == T.STEPS and all(abs(a - b) <= 1e-4 for a, b in zip(got, ref)), (got, ref)
+    assert len(got) == T.STEPS and all(abs(a - b) <= 1e-5 for a, b in zip(got, ref)), (got, ref)
     assert got[-1] < got[0], got

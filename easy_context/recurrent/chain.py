@@ -81,9 +81,11 @@ def chain_forward(plan: Plan, adapter, layer, x: torch.Tensor, capture: dict | N
 class _Chain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, adapter, layer, x, *params):
-        out, states_in = chain_forward(plan, adapter, layer, x)  # parameters gathered by run_layer
+        out, states_in = chain_forward(plan, adapter, layer, x)
         order = sorted(states_in)
         ctx.plan, ctx.adapter, ctx.layer, ctx.order = plan, adapter, layer, order
+        dev = x.device.type  # the recompute runs under the forward's autocast (as torch.utils.checkpoint does)
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.n_state = len(states_in[order[0]]) if order else 0
         ctx.save_for_backward(x, *[t for i in order for t in states_in[i]])
         return out
@@ -99,7 +101,8 @@ class _Chain(torch.autograd.Function):
         params = [p for p in layer.parameters() if p.requires_grad]
         d_x = torch.zeros_like(x)
         d_params = [None] * len(params)
-        with gathered(layer):
+        dev, on, dtype = ctx.autocast
+        with torch.autocast(dev, dtype=dtype, enabled=on):
             _backward_chain(plan, adapter, layer, x, d_out, states_in, params, d_x, d_params, k)
         return (None, None, None, d_x if x.requires_grad else None, *d_params)
 
@@ -143,8 +146,9 @@ def _backward_chain(plan, adapter, layer, x, d_out, states_in, params, d_x, d_pa
 def run_layer(plan: Plan, adapter, layer, x: torch.Tensor) -> torch.Tensor:
     """The layer's output for this rank's tokens, exact for the global sequence (forward and backward)."""
     params = [p for p in layer.parameters() if p.requires_grad]
-    if not torch.is_grad_enabled() or not (x.requires_grad or params):
-        with gathered(layer):
+    if plan.single:  # one process (data_parallel resets, an sp mode on one rank): plain autograd, ZeRO-3 too
+        return chain_forward(plan, adapter, layer, x)[0]
+    with gathered(layer):  # ZeRO-3 across ranks: refused (zero3.py)
+        if not torch.is_grad_enabled() or not (x.requires_grad or params):  # no backward: the forward chain only
             return chain_forward(plan, adapter, layer, x)[0]
-    with gathered(layer):  # before apply: autograd records the parameters' full shapes
         return _Chain.apply(plan, adapter, layer, x, *params)

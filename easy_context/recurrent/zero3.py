@@ -1,41 +1,22 @@
-"""DeepSpeed ZeRO-3 around the chain: only the rank running a piece executes the layer, so nothing inside a piece
-may be collective. ZeRO-3 gathers a module's partitioned parameters in forward hooks (an all-gather of the
-data-parallel group) and prefetches others by its recorded module order: run on one rank alone, either would
-wait forever for its peers. So, while the chain runs: the layer's parameters are gathered once, by every rank
-together (GatheredParameters, at the chain's start: every rank reaches it at the same layer), and the hooks of the
-layer's submodules are set aside (ZeRO-3's are the only ones a training model has there). The gradients leave the
-chain as its outputs, so ZeRO-3 reduces them as usual, collectively, outside. Without ZeRO-3: no-op."""
+"""DeepSpeed ZeRO-3 and the chain: refused for now, with a clear error (never a hang or a wrong result).
+
+Only the rank running a piece executes the layer, so nothing inside a piece may be collective; ZeRO-3 gathers a
+module's partitioned parameters in forward hooks (an all-gather over the data-parallel group) and hands the
+gradients back to partitioned parameters. Tried on CPU (DeepSpeed 0.19.8): gathering the layer once around the
+chain (GatheredParameters, submodule hooks set aside) gets the forward right but the gradients returned to the
+then re-partitioned parameters fail ("size of tensor a (0) must match the size of tensor b (64)"); marking the layer
+a ZeRO-3 leaf module (``_z3_leaf``) fails the same way even on one process. Plain autograd through the layer (one
+piece: data_parallel's document resets, an sp mode on one rank) is unaffected and works under ZeRO-3
+(train.py, 1 process, cpu.yaml: the same losses as without DeepSpeed)."""
 from __future__ import annotations
 
 import contextlib
 
 
-def _zero3_params(layer) -> list:
-    """Partitioned parameters not gathered now (the layer's own ones are, by ZeRO-3's hook on the layer: those
-    it also releases itself)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    return [p for p in layer.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
-
-
 @contextlib.contextmanager
 def gathered(layer):
-    zero3 = any(hasattr(p, "ds_id") for p in layer.parameters())
-    params = _zero3_params(layer) if zero3 else []
-    if not zero3:
-        yield
-        return
-    import deepspeed
-    hooks = []
-    for m in layer.modules():
-        if m is layer:
-            continue
-        for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
-            saved = getattr(m, attr)
-            hooks.append((m, attr, saved))
-            setattr(m, attr, type(saved)())
-    try:
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
-            yield
-    finally:
-        for m, attr, saved in hooks:
-            setattr(m, attr, saved)
+    if any(hasattr(p, "ds_id") for p in layer.parameters()):
+        raise RuntimeError(f"{type(layer).__name__}: DeepSpeed ZeRO-3 is not supported yet for the sequence-parallel "
+                           "recurrent layers across ranks (issue #30, easy_context/recurrent/zero3.py); use ZeRO-2 "
+                           "(accelerate_configs/zero2_*.json) or no DeepSpeed (plain DDP)")
+    yield
