@@ -90,6 +90,16 @@ def _equivalence_body(rank, world_size, full):
     for mode, kw, family, packed in _cases(world_size, full):
         pos = _packed(2, 32, seed=3) if packed else None
         check_model_equivalence(rank, world_size, mode, family, position_ids=pos, **kw)
+    if full and world_size == 2:  # packed rows in the balanced k-pair zigzag layout (many pieces per rank)
+        from easy_context.sharding import PAIRS_ENV, zigzag_pairs
+        os.environ[PAIRS_ENV] = "4"
+        try:
+            assert zigzag_pairs(64, world_size) == 4
+            for family in ("qwen3_next", "lfm2"):
+                check_model_equivalence(rank, world_size, "zigzag_ring_attn", family, seq_len=64,
+                                        position_ids=_packed(2, 64, seed=9))
+        finally:
+            os.environ.pop(PAIRS_ENV)
     # the mutation: the states crossing ranks replaced by zeros -> the comparison must fail
     for family in ("qwen3_next", "lfm2"):
         os.environ[DROP_STATE_ENV] = "1"
