@@ -75,10 +75,14 @@ def _peak(device, fn) -> float:
 
 def run(kind, length, worlds, tiny, device, dtype, full: bool):
     from easy_context.recurrent.adapter import get_adapter
-    from easy_context.recurrent.chain import run_layer
+    from easy_context.recurrent.chain import _Chain
     from easy_context.recurrent.layout import Piece, Plan
     layer, hidden = _layer(kind, tiny, device, dtype)
     adapter = get_adapter(layer)
+    if adapter is None:
+        import transformers
+        raise SystemExit(f"{type(layer).__name__}: transformers {transformers.__version__} does not pass its state "
+                         "through the hybrid-cache protocol easy_context.recurrent uses (tested: 5.24); install that")
     ms = _timer(device)
     rows = []
 
@@ -87,7 +91,10 @@ def run(kind, length, worlds, tiny, device, dtype, full: bool):
         dy = torch.randn(1, n, hidden, device=device, dtype=dtype)
 
         def step():
-            out = layer(x) if plan is None else run_layer(plan, adapter, layer, x)
+            # the multi-rank path itself (autograd Function, recompute in backward); run_layer would take plain
+            # autograd here because every piece is on this one process
+            out = layer(x) if plan is None else _Chain.apply(plan, adapter, layer, x,
+                                                             *[p for p in layer.parameters() if p.requires_grad])
             out.backward(dy)
             x.grad = None
             layer.zero_grad(set_to_none=True)
@@ -100,7 +107,7 @@ def run(kind, length, worlds, tiny, device, dtype, full: bool):
     for w in worlds:
         n = length // w
         own = ms(fwd_bwd(n))
-        plan = Plan(0, tuple(Piece(0, i * n, n) for i in range(w)), None)  # every piece here, in order
+        plan = Plan(0, tuple(Piece(0, i * n, n, i * n) for i in range(w)), None)  # every piece here, in order
         chain = ms(fwd_bwd(length, plan))
         rows.append({"layer": kind, "L": length, "W": w, "own/rank ms": f"{own:.1f}", "chain ms": f"{chain:.1f}",
                      "chain/own": f"{chain / own:.2f}", "own/full ms": f"{own_full:.1f}",

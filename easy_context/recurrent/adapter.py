@@ -55,7 +55,9 @@ def register_adapter(layer_class_name: str, adapter: Adapter) -> None:
 def get_adapter(layer) -> Adapter | None:
     """The adapter of a layer instance (by its class name), None when its class is not supported."""
     from . import builtin  # noqa: F401  (registers the adapters shipped with the package)
-    return _ADAPTERS.get(type(layer).__name__)
+    adapter = _ADAPTERS.get(type(layer).__name__)
+    supports = getattr(adapter, "supports", None)  # optional: the installed model code is the one it knows
+    return adapter if adapter is not None and (supports is None or supports(layer)) else None
 
 
 def supported_classes() -> tuple[str, ...]:

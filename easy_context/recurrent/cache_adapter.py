@@ -56,6 +56,24 @@ class HybridCacheAdapter:
 
     def __init__(self, recurrent_shape=None):
         self.recurrent_shape = recurrent_shape
+        self._known: dict = {}
+
+    def supports(self, layer) -> bool:
+        """Does the installed transformers' forward of this class take ``cache=`` and use the protocol above
+        (transformers 5.24; older releases pass ``cache_params`` with other methods)? If not, the class is treated
+        as unsupported, i.e. refused by name (detect.py), never run through a protocol it does not speak."""
+        cls = type(layer)
+        if cls not in self._known:
+            import inspect
+            try:
+                src = inspect.getsource(cls.forward)
+                params = inspect.signature(cls.forward).parameters
+            except (OSError, TypeError, ValueError):
+                src, params = "", {}
+            need = ("update_conv_state", "is_recording_past") + (("update_recurrent_state",)
+                                                                 if self.recurrent_shape else ())
+            self._known[cls] = "cache" in params and all(n in src for n in need)
+        return self._known[cls]
 
     def zero_state(self, layer, batch, dtype, device):
         conv = _conv(layer)
