@@ -21,6 +21,9 @@ piece (and d(state) backwards). The chain is generic: everything layer-specific 
             #   after the last token. Differentiable in hidden_states, every state tensor and the parameters.
             # Use the layer's own submodules / the model file's torch functions (kernels where installed).
 
+        def supports(self, layer) -> bool      # optional: False when the installed model code is not the one the
+            # adapter was written for (the class is then refused by name instead of run wrongly)
+
     register_adapter("Qwen3NextGatedDeltaNet", MyAdapter())   # by class name (no transformers import)
 
 Rules an adapter keeps: run_chunk(x[:, :a]) then run_chunk(x[:, a:]) with the first call's final state equals
