@@ -89,7 +89,7 @@ def train(args):
             layout.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None))
         except ValueError as e:
             raise UsageError(str(e)) from None
-        apply_seq_parallel_monkey_patch(model, layout)
+    apply_seq_parallel_monkey_patch(model, layout)  # data_parallel: plain attention; hybrids reset state per document
     apply_memory_options(model, args)
     model = apply_lora(model, args)  # --lora-rank: PEFT adapters around the patched base (base frozen)
     use_ds = configure_deepspeed(accelerator, args)

@@ -17,6 +17,8 @@ class Family:
     norm: str | None = None      # RMSNorm class the lean/fused norm replaces exactly (None: HF's own)
     fused_rope: bool = False     # apply_rotary_pos_emb is x*cos + rotate_half(x)*sin (checked at patch time)
     model_types: tuple[str, ...] = ()  # config.model_type values other than ``name``
+    recurrent: tuple[str, ...] = ()    # recurrent layer classes (hybrids, issue #30): run by easy_context.recurrent's
+    #                                    chain, on model instances only (a family-string patch of a hybrid is refused)
 
 
 _TABLE = (
@@ -30,6 +32,10 @@ _TABLE = (
     Family("phi3", "Phi3Attention"),                  # fused qkv_proj / gate_up_proj
     Family("olmo2", "Olmo2Attention"),                # q/k norms over all heads
     Family("gemma3", "Gemma3Attention", model_types=("gemma3_text",)),  # (1 + w) norms: HF's own
+    # hybrids: softmax layers as above; the linear / conv layers through easy_context/recurrent (docs/hybrid.md)
+    Family("qwen3_next", "Qwen3NextAttention", recurrent=("Qwen3NextGatedDeltaNet",)),  # gated DeltaNet + MoE
+    Family("qwen3_5", "Qwen3_5Attention", model_types=("qwen3_5_text",), recurrent=("Qwen3_5GatedDeltaNet",)),
+    Family("lfm2", "Lfm2Attention", recurrent=("Lfm2ShortConv",)),                     # short convolutions
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in _TABLE}
 NORM_CLASSES: tuple[str, ...] = tuple(f.norm for f in _TABLE if f.norm)

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from . import kernels
 from .api import seq_multiple, shard_sequence
 from .loss import IGNORE_INDEX, chunked_nll_sum, global_sum
-from .registry import DEFAULT_MODE, get_mode
+from .registry import DEFAULT_MODE, PLAIN_MODE, get_mode
 
 
 
@@ -196,6 +196,9 @@ class SeqParallelLM:
         self.layout_kw = layout.layout_kw if layout is not None else mode.layout_kw(ring_degree=ring_degree)
         self.device = next(model.parameters()).device
         self.state = _State()
+        from .recurrent.inference import attach  # hybrids (issue #30): chain prefill, replicated decode state
+        self._recurrent = attach(model, mode.name if self.world > 1 else PLAIN_MODE, self.groups, self.state,
+                                 self.group)
         self._sp_attn = make_attention_fn(mode, **self.groups) if self.world > 1 else None
         state, engine = self.state, self
 
@@ -239,6 +242,9 @@ class SeqParallelLM:
     def close(self):
         """Give the model its previous attention implementation back."""
         self.model.set_attn_implementation(self._prev_attn)
+        if self._recurrent is not None:
+            from .recurrent.inference import detach
+            detach(self.model)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _shard(self, full: torch.Tensor, pad_value: int):
@@ -311,6 +317,8 @@ class SeqParallelLM:
         st.prompt_kv, st.gen_kv = {}, {}
         try:
             st.phase = "prefill"
+            if self._recurrent is not None:
+                self._recurrent.prompt_len = n
             pos = self._local_positions(n, 1)[0]
             st.keep = pos < n
             st.prompt_pos = pos[st.keep]

@@ -20,6 +20,7 @@ _MODES: dict[str, str | Mode] = {
 }
 SEQ_ALGOS: tuple[str, ...] = tuple(_MODES)  # the built-in modes (public API); mode_names() adds registered ones
 DEFAULT_MODE = "zigzag_ring_attn"           # train.py's and the evals' --parallel_mode default
+PLAIN_MODE = "data_parallel"                # no sequence parallelism: every rank runs whole sequences
 
 
 def mode_names() -> tuple[str, ...]:
@@ -75,4 +76,5 @@ def modes_taking(degree: str) -> list[str]:
     return [n for n in _MODES if degree in get_mode(n).degree_kwargs]
 
 
-__all__ = ["SEQ_ALGOS", "DEFAULT_MODE", "get_mode", "mode_names", "register_mode", "unregister_mode", "modes_taking"]
+__all__ = ["SEQ_ALGOS", "DEFAULT_MODE", "PLAIN_MODE", "get_mode", "mode_names", "register_mode", "unregister_mode",
+           "modes_taking"]

@@ -144,6 +144,8 @@ def apply_seq_parallel_monkey_patch(seq_algo, model, ring_degree: int | None = N
 
 
 def _patch_family(mode: Mode, family, groups):
+    from ..recurrent.patch import refuse_family
+    refuse_family(mode.name, _FAMILY_TABLE[family])  # hybrids are patched per instance (issue #30)
     check_transformers_compat(family)
     mod = _family_module(family)
     from transformers.modeling_utils import AttentionInterface
@@ -174,6 +176,8 @@ def _patch_instance(mode: Mode, model, groups):
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
+    from ..recurrent.patch import apply as patch_recurrent_layers
+    patch_recurrent_layers(mode.name, model, groups)  # refuses layers it cannot run exactly (issue #30)
     family = getattr(model.config, "model_type", None)
     family = family_of_model_type(family)
     if family in FAMILIES:
