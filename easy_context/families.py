@@ -17,6 +17,7 @@ class Family:
     norm: str | None = None      # RMSNorm class the lean/fused norm replaces exactly (None: HF's own)
     fused_rope: bool = False     # apply_rotary_pos_emb is x*cos + rotate_half(x)*sin (checked at patch time)
     model_types: tuple[str, ...] = ()  # config.model_type values other than ``name``
+    recurrent: tuple[str, ...] = ()  # state-carrying layer classes (easy_context/recurrent): instance patch only
 
 
 _TABLE = (
@@ -30,6 +31,14 @@ _TABLE = (
     Family("phi3", "Phi3Attention"),                  # fused qkv_proj / gate_up_proj
     Family("olmo2", "Olmo2Attention"),                # q/k norms over all heads
     Family("gemma3", "Gemma3Attention", model_types=("gemma3_text",)),  # (1 + w) norms: HF's own
+)
+# Hybrid Mamba-2 models (issue #30): the softmax layers as above, the Mamba-2 mixers run by
+# easy_context/recurrent/mamba2.py. falcon_h1 runs attention and a mixer side by side in every layer.
+_TABLE += (
+    Family("nemotron_h", "NemotronHAttention", recurrent=("NemotronHMamba2Mixer",)),  # no RoPE
+    Family("bamba", "BambaAttention", recurrent=("BambaMixer",)),
+    Family("granitemoehybrid", "GraniteMoeHybridAttention", recurrent=("GraniteMoeHybridMambaLayer",)),
+    Family("falcon_h1", "FalconH1Attention", recurrent=("FalconH1Mixer",)),
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in _TABLE}
 NORM_CLASSES: tuple[str, ...] = tuple(f.norm for f in _TABLE if f.norm)

@@ -253,6 +253,9 @@ def apply_seq_parallel_monkey_patch(seq_algo: str, model, ring_degree: int | Non
         if family not in FAMILIES:
             raise ValueError(f"unknown model family {model!r}; valid families: {', '.join(FAMILIES)} "
                              "(or pass a transformers PreTrainedModel instance)")
+        if _FAMILY_TABLE[family].recurrent and seq_algo != "data_parallel":  # their state chain is per instance
+            raise ValueError(f"{family}: its {', '.join(_FAMILY_TABLE[family].recurrent)} layers need the model "
+                             f"instance: apply_seq_parallel_monkey_patch({seq_algo!r}, model)")
         _patch_family(seq_algo, family, groups)
         return None
     if isinstance(model, transformers.PreTrainedModel):

@@ -17,7 +17,7 @@ from tests.tols import assert_close
 SEQ = 37          # not a multiple of the SSD chunk size (8)
 CUTS = (0, 5, 13, 14, 16, 30, SEQ)          # chunk edges: a 1-token chunk, 16 = two whole SSD chunks
 DOCS = (0, 1, 13, 14, 16, 21, 36)           # document starts: 1-token documents, starts on chunk edges
-MODEL_TYPES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "falcon_h1_norm")
+MODEL_TYPES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "falcon_h1_norm", "mamba2")
 
 
 def make_hybrid_config(model_type: str, **overrides):
@@ -41,6 +41,10 @@ def make_hybrid_config(model_type: str, **overrides):
         cfg = tf.FalconH1Config(**attn, **mamba, num_hidden_layers=2, mamba_d_ssm=64,
                                 mamba_rms_norm=model_type == "falcon_h1_norm", mamba_norm_before_gate=False,
                                 ssm_in_multiplier=0.7, ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.6])
+    elif model_type == "mamba2":  # no attention at all
+        cfg = tf.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=8,
+                              state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, expand=1,
+                              tie_word_embeddings=False)
     else:
         raise ValueError(f"unknown model type {model_type!r}; choose one of {MODEL_TYPES}")
     for k, v in overrides.items():
@@ -193,3 +197,18 @@ def test_bad_resets_are_refused():
         segment_ids(torch.zeros(3, 5, dtype=torch.bool), 2, 5, "cpu")
     assert segment_ids(torch.tensor([], dtype=torch.long), 1, 5, "cpu") is None
     assert segment_ids(torch.tensor([0, 3]), 1, 5, "cpu").tolist() == [[1, 1, 1, 2, 2]]
+
+
+def test_family_records():
+    """Each hybrid Mamba-2 family names its attention (hooked like any family) and mixers this adapter runs;
+    a family string cannot patch them (their state chain needs the model instance)."""
+    from easy_context import apply_seq_parallel_monkey_patch, hf
+    from easy_context.families import FAMILIES, family_of_model_type
+    for name in ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1"):
+        fam = FAMILIES[name]
+        assert fam.recurrent and set(fam.recurrent) <= set(MAMBA2_CLASSES), fam
+        assert family_of_model_type(name) == name
+        hf.check_transformers_compat(name)
+        with pytest.raises(ValueError, match="need the model instance"):
+            apply_seq_parallel_monkey_patch("ulysses_attn", name)
+        apply_seq_parallel_monkey_patch("data_parallel", name)

@@ -1,7 +1,8 @@
 """Mamba-2 mixers run on one chunk of the sequence from a given state, with document resets.
 
 The layers: ``NemotronHMamba2Mixer`` (nemotron_h), ``BambaMixer`` (bamba), ``GraniteMoeHybridMambaLayer``
-(granitemoehybrid) — one forward, the same code in all three modeling files of transformers 5.24 — and
+(granitemoehybrid), ``Mamba2Mixer`` (mamba2) — one forward, the same code in these four modeling files of
+transformers 5.24 — and
 ``FalconH1Mixer`` (falcon_h1), the same math plus µP multipliers on the input projection and an optional
 gated norm. ``run_chunk`` is their torch path (no cache) with two additions a sequence-parallel chain needs:
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # HF layer classes whose forward is the Mamba-2 mixer handled here (checked by name: no import of every model).
-MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer")
+MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer", "Mamba2Mixer")
 
 
 def zero_state(layer: nn.Module, batch: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
