@@ -212,3 +212,13 @@ def test_family_records():
         with pytest.raises(ValueError, match="need the model instance"):
             apply_seq_parallel_monkey_patch("ulysses_attn", name)
         apply_seq_parallel_monkey_patch("data_parallel", name)
+
+
+def test_bfloat16_follows_the_layer():
+    """bf16 weights and input: the same dtype steps as the layer (fp32 scan, conv rounded once), within 1e-3."""
+    layer = tiny_mixer("nemotron_h").to(torch.bfloat16)
+    x = torch.randn(2, SEQ, layer.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref, ref_docs = layer(x), _per_document(layer, x, DOCS)
+        assert_close(_chained(layer, x, CUTS), ref, rel=1e-3, name="bf16 chained")
+        assert_close(_chained(layer, x, CUTS, DOCS), ref_docs, rel=1e-3, name="bf16 chained with resets")

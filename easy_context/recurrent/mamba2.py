@@ -73,7 +73,7 @@ def run_chunk(layer: nn.Module, hidden_states: torch.Tensor, state: tuple, reset
     y, ssm_final = ssd_scan(x.reshape(b, L, layer.num_heads, layer.head_dim).float(), dt, A, B, C, layer.D,
                             layer.chunk_size, ssm_state.float(), seg)
     y = _gated_norm(layer, y.reshape(b, L, -1), gate)
-    return layer.out_proj(y.to(dtype)), (conv_final, ssm_final)
+    return layer.out_proj(y.to(dtype)), (conv_final.contiguous(), ssm_final.contiguous())  # sent as they are
 
 
 def segment_ids(resets, batch: int, length: int, device) -> torch.Tensor | None:
@@ -125,13 +125,15 @@ def causal_conv(xBC, conv_state, weight, bias, activation, seg):
         window = xp[:, L:]
     else:
         seg_p = F.pad(seg, (K - 1, 0))  # the incoming window is segment 0
-        x = xp.to(weight.dtype)
+        # Taps summed in fp32 and rounded once, like conv1d's own accumulation (bf16 stays close to it).
+        x, w = xp.float(), weight.float()
         out = 0
         for k in range(K):  # tap k reads the source K-1-k tokens back
             same = (seg_p[:, k:k + L] == seg).unsqueeze(-1).to(x.dtype)
-            out = out + x[:, k:k + L] * weight[:, k] * same
+            out = out + x[:, k:k + L] * w[:, k] * same
         if bias is not None:
-            out = out + bias
+            out = out + bias.float()
+        out = out.to(weight.dtype)
         window = xp[:, L:] * (seg_p[:, L:] == seg[:, -1:]).unsqueeze(-1).to(xp.dtype)
     if activation is not None:
         out = ACT2FN[activation](out)
