@@ -104,6 +104,8 @@ def train(args):
         except ValueError as e:
             raise UsageError(str(e)) from None
         apply_seq_parallel_monkey_patch(args.parallel_mode, model, layout=layout)
+    else:  # hybrid models: packed documents reset the recurrent layers' state here too
+        apply_seq_parallel_monkey_patch("data_parallel", model)
     apply_memory_options(model, args)
     model = apply_lora(model, args)  # --lora-rank: PEFT adapters around the patched base (base frozen)
     use_ds = configure_deepspeed(accelerator, args)

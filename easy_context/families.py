@@ -17,7 +17,8 @@ class Family:
     norm: str | None = None      # RMSNorm class the lean/fused norm replaces exactly (None: HF's own)
     fused_rope: bool = False     # apply_rotary_pos_emb is x*cos + rotate_half(x)*sin (checked at patch time)
     model_types: tuple[str, ...] = ()  # config.model_type values other than ``name``
-    recurrent: tuple[str, ...] = ()  # state-carrying layer classes (easy_context/recurrent): instance patch only
+    recurrent: tuple[str, ...] = ()    # recurrent layer classes (hybrids, issue #30): run by easy_context.recurrent's
+    #                                    chain, on model instances only (a family-string patch of a hybrid is refused)
 
 
 _TABLE = (
@@ -31,14 +32,10 @@ _TABLE = (
     Family("phi3", "Phi3Attention"),                  # fused qkv_proj / gate_up_proj
     Family("olmo2", "Olmo2Attention"),                # q/k norms over all heads
     Family("gemma3", "Gemma3Attention", model_types=("gemma3_text",)),  # (1 + w) norms: HF's own
-)
-# Hybrid Mamba-2 models (issue #30): the softmax layers as above, the Mamba-2 mixers run by
-# easy_context/recurrent/mamba2.py. falcon_h1 runs attention and a mixer side by side in every layer.
-_TABLE += (
-    Family("nemotron_h", "NemotronHAttention", recurrent=("NemotronHMamba2Mixer",)),  # no RoPE
-    Family("bamba", "BambaAttention", recurrent=("BambaMixer",)),
-    Family("granitemoehybrid", "GraniteMoeHybridAttention", recurrent=("GraniteMoeHybridMambaLayer",)),
-    Family("falcon_h1", "FalconH1Attention", recurrent=("FalconH1Mixer",)),
+    # hybrids: softmax layers as above; the linear / conv layers through easy_context/recurrent (docs/hybrid.md)
+    Family("qwen3_next", "Qwen3NextAttention", recurrent=("Qwen3NextGatedDeltaNet",)),  # gated DeltaNet + MoE
+    Family("qwen3_5", "Qwen3_5Attention", model_types=("qwen3_5_text",), recurrent=("Qwen3_5GatedDeltaNet",)),
+    Family("lfm2", "Lfm2Attention", recurrent=("Lfm2ShortConv",)),                     # short convolutions
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in _TABLE}
 NORM_CLASSES: tuple[str, ...] = tuple(f.norm for f in _TABLE if f.norm)

@@ -253,9 +253,6 @@ def apply_seq_parallel_monkey_patch(seq_algo: str, model, ring_degree: int | Non
         if family not in FAMILIES:
             raise ValueError(f"unknown model family {model!r}; valid families: {', '.join(FAMILIES)} "
                              "(or pass a transformers PreTrainedModel instance)")
-        if _FAMILY_TABLE[family].recurrent and seq_algo != "data_parallel":  # their state chain is per instance
-            raise ValueError(f"{family}: its {', '.join(_FAMILY_TABLE[family].recurrent)} layers need the model "
-                             f"instance: apply_seq_parallel_monkey_patch({seq_algo!r}, model)")
         _patch_family(seq_algo, family, groups)
         return None
     if isinstance(model, transformers.PreTrainedModel):
@@ -265,6 +262,8 @@ def apply_seq_parallel_monkey_patch(seq_algo: str, model, ring_degree: int | Non
 
 
 def _patch_family(seq_algo, family, groups):
+    from .recurrent.patch import refuse_family
+    refuse_family(seq_algo, _FAMILY_TABLE[family])  # hybrids are patched per instance (issue #30)
     check_transformers_compat(family)
     mod = _family_module(family)
     from transformers.modeling_utils import AttentionInterface
@@ -295,6 +294,8 @@ def _patch_instance(seq_algo, model, groups):
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
+    from .recurrent.patch import apply as patch_recurrent_layers
+    patch_recurrent_layers(seq_algo, model, groups)  # refuses layers it cannot run exactly (issue #30)
     family = getattr(model.config, "model_type", None)
     family = family_of_model_type(family)
     if family in FAMILIES:

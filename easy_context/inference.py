@@ -174,6 +174,8 @@ class SeqParallelLM:
                              f"ring_degree={ring_degree})")
         seq_algo = layout.seq_algo if layout is not None else (seq_algo or "zigzag_ring_attn")
         algo = get_algo(seq_algo)
+        from .recurrent.detect import refuse_in_inference
+        refuse_in_inference(model)  # issue #30: the decode path keeps no recurrent state yet
         self.model, self.seq_algo, self.chunk_tokens = model, seq_algo, chunk_tokens
         if groups is None:
             layout = layout or ParallelLayout.build(seq_algo, ring_degree=ring_degree)

@@ -39,6 +39,11 @@ def plan_case(args) -> tuple[Case, dict]:
     if args.rope_theta is not None:
         set_theta(config, lambda _: args.rope_theta)
     config, notes = shrink_config(config, args.layers, args.hidden, args.intermediate, args.vocab)
+    try:  # a recurrent layer without an exact sequence-parallel path is refused up front (issue #30)
+        from easy_context.recurrent.detect import check_config
+        recurrent = check_config(args.mode, config)
+    except ValueError as e:
+        raise CheckUsageError(str(e)) from None
     q, kv, hd = _heads(config)
     try:
         layout.check_heads(q, kv)
@@ -74,5 +79,5 @@ def plan_case(args) -> tuple[Case, dict]:
     case = Case(mode=args.mode, sp=layout.sp, ring=ring, ring_run=ring_run, config=config, sp_config=sp_config,
                 seq_len=seq_len, batch=args.batch, packed=args.packed, seed=args.seed)
     info = {"source": args.model, "notes": notes, "layout": layout, "seq_multiple": mult, "window": w, "seq_len": seq_len,
-            "heads": (q, kv, hd), "rtol": args.rtol, "inject": args.inject, "world": args.world}
+            "heads": (q, kv, hd), "recurrent": recurrent, "rtol": args.rtol, "inject": args.inject, "world": args.world}
     return case, info

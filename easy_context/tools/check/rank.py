@@ -155,6 +155,8 @@ def run_case(case, send=lambda payload: None) -> dict | None:
         torch.manual_seed(case.seed)
         m = tf.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
                                                 attn_implementation="sdpa")
+        from easy_context.recurrent.init import slow_decay_
+        slow_decay_(m, case.seed)  # hybrids: a decay that keeps the state alive (recurrent/init.py says why)
         return m.float().train()
 
     base = build(case.config)

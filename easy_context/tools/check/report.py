@@ -17,6 +17,16 @@ def _rope_lines(rope: list[dict]) -> list[str]:
     return lines or ["none found (no *RotaryEmbedding module)"]
 
 
+def _recurrent_line(layers: list, config) -> str:
+    from easy_context.families import FAMILIES, family_of_model_type
+    classes = sorted({c for _, c in layers})
+    fam = family_of_model_type(getattr(config, "model_type", None))
+    rec = f"family record {fam}" if fam in FAMILIES and FAMILIES[fam].recurrent else "no family record"
+    return (f"{', '.join(classes)} in {len(layers)} of {config.num_hidden_layers} layers ({rec}): state and conv "
+            "window passed rank to rank in sequence order, reset at document starts (easy_context.recurrent); "
+            "random decay A in [0.05, 0.5] where the layer has one (easy_context/recurrent/init.py)")
+
+
 def _verdict(d: dict, rtol: float) -> str:
     return "ok" if d["rel"] <= rtol else "FAIL"
 
@@ -47,6 +57,8 @@ def judge(case: Case, info: dict, outcome: dict, verbose: bool = False) -> tuple
     w = info["window"]
     lines.append(f"  window     {'none (full causal)' if w is None else w}"
                  f"{' (>= the length: full causal)' if w is not None and w >= info.get('seq_len', 0) else ''}")
+    if info.get("recurrent"):  # hybrids (issue #30): which layers the chain carries the state across ranks for
+        lines.append(f"  recurrent  {_recurrent_line(info['recurrent'], case.config)}")
     degrees = f"ring {layout.ring} x ulysses {layout.ulysses}"
     lines.append(f"  layout     {case.mode}, world {info['world']} = dp {layout.dp} x sp {layout.sp} "
                  f"({layout}; {degrees})")
