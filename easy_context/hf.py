@@ -300,6 +300,8 @@ def _patch_instance(seq_algo, model, groups):
     family = family_of_model_type(family)
     if family in FAMILIES:
         check_transformers_compat(family)
+        from .layer_positions import apply as pass_positions  # packed documents need them (granitemoehybrid)
+        pass_positions(seq_algo, model, family)
     if seq_algo == "data_parallel":
         prev = getattr(model, "_easy_context_prev_attn", None)
         if prev is not None:

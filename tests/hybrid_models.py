@@ -9,7 +9,8 @@ import torch
 
 # supported (adapters in easy_context/recurrent) and refused-but-buildable families
 SUPPORTED = ("qwen3_next", "lfm2", "qwen3_5")
-REFUSED = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "mamba2", "jamba")
+MAMBA2 = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid")  # recurrent/mamba2.py, tests/test_hybrid_mamba2.py
+REFUSED = ("mamba2", "jamba")
 
 _ATTN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
              max_position_embeddings=4096, tie_word_embeddings=False)

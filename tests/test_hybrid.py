@@ -52,8 +52,11 @@ def test_softmax_only_families_have_no_recurrent_layer():
         assert recurrent_layers(build_model(family)) == [], family
 
 
-def test_check_refuses_before_any_rank(tmp_path, capsys):
+def test_check_refuses_before_any_rank(tmp_path, capsys, monkeypatch):
+    from easy_context.recurrent import adapter, supported_classes
     from easy_context.tools.check import main
+    supported_classes()  # registers the shipped adapters; then one is taken away (nemotron_h is supported: #30)
+    monkeypatch.delitem(adapter._ADAPTERS, "NemotronHMamba2Mixer")
     make_hybrid_config("nemotron_h").save_pretrained(tmp_path)
     assert main(["--model", str(tmp_path), "--parallel_mode", "ulysses_attn", "--world", "2"]) == 2
     err = capsys.readouterr().err

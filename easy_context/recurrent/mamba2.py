@@ -1,8 +1,7 @@
 """Mamba-2 mixers run on one chunk of the sequence from a given state, with document resets.
 
 The layers: ``NemotronHMamba2Mixer`` (nemotron_h), ``BambaMixer`` (bamba), ``GraniteMoeHybridMambaLayer``
-(granitemoehybrid), ``Mamba2Mixer`` (mamba2) — one forward, the same code in these four modeling files of
-transformers 5.24 — and
+(granitemoehybrid) — one forward, the same code in these three modeling files of transformers 5.24 — and
 ``FalconH1Mixer`` (falcon_h1), the same math plus µP multipliers on the input projection and an optional
 gated norm. ``run_chunk`` is their torch path (no cache) with two additions a sequence-parallel chain needs:
 
@@ -31,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 # HF layer classes whose forward is the Mamba-2 mixer handled here (checked by name: no import of every model).
-MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer", "Mamba2Mixer")
+# Mamba2Mixer (the pure mamba2 model) computes the same, but Mamba2Model takes no position_ids, which the chain
+# needs to place each rank's tokens: it stays refused.
+MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer")
 
 
 def zero_state(layer: nn.Module, batch: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,9 +207,18 @@ def ssd_scan(x, dt, A, B, C, D, chunk_size: int, init, seg):
 
 
 class Mamba2Adapter:
-    """The adapter the recurrent chain calls for every Mamba-2 mixer class."""
+    """The adapter the recurrent chain (easy_context/recurrent/chain.py) calls for every Mamba-2 mixer class."""
     zero_state = staticmethod(zero_state)
     run_chunk = staticmethod(run_chunk)
+
+
+def _register():
+    from .adapter import register_adapter
+    for name in MAMBA2_CLASSES:
+        register_adapter(name, Mamba2Adapter())
+
+
+_register()
 
 
 __all__ = ["MAMBA2_CLASSES", "Mamba2Adapter", "causal_conv", "run_chunk", "segment_ids", "ssd_scan", "zero_state"]
