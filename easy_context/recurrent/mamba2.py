@@ -121,36 +121,38 @@ def causal_conv(xBC, conv_state, weight, bias, activation, seg):
     b, L, Cd = xBC.shape
     K = weight.shape[-1]
     xp = torch.cat([conv_state, xBC], dim=1)  # (b, K-1+L, Cd)
-    if seg is None:
-        out = F.conv1d(xp.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, groups=Cd).transpose(1, 2)
-        window = xp[:, L:]
-    else:
-        seg_p = F.pad(seg, (K - 1, 0))  # the incoming window is segment 0
-        # Taps summed in fp32 and rounded once, like conv1d's own accumulation (bf16 stays close to it).
-        x, w = xp.float(), weight.float()
-        out = 0
-        for k in range(K):  # tap k reads the source K-1-k tokens back
-            same = (seg_p[:, k:k + L] == seg).unsqueeze(-1).to(x.dtype)
-            out = out + x[:, k:k + L] * w[:, k] * same
-        if bias is not None:
-            out = out + bias.float()
-        out = out.to(weight.dtype)
-        window = xp[:, L:] * (seg_p[:, L:] == seg[:, -1:]).unsqueeze(-1).to(xp.dtype)
+    # conv1d is cross-correlation: out[t] = sum_k w[:, k] * xp[t + k] (tap k reads K-1-k tokens back)
+    out = F.conv1d(xp.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, groups=Cd).transpose(1, 2)
+    window = xp[:, L:]
+    if seg is not None:
+        seg_p = F.pad(seg, (K - 1, 0)).expand(b, -1)  # the incoming window is segment 0
+        same = seg_p.unfold(1, K, 1) == seg.expand(b, -1).unsqueeze(-1)  # (b, L, K): tap in this document
+        bi, ti = (~same.all(-1)).nonzero(as_tuple=True)  # the K-1 tokens after each start: recomputed
+        if bi.numel():
+            taps = xp.unfold(1, K, 1)[bi, ti].float()  # (n, Cd, K)
+            # fp32 sum rounded once, like conv1d's own accumulation (bf16 equals the per-document call)
+            fixed = (taps * weight.float() * same[bi, ti].unsqueeze(1)).sum(-1)
+            if bias is not None:
+                fixed = fixed + bias.float()
+            out = out.index_put((bi, ti), fixed.to(out.dtype))
+        window = window * (seg_p[:, L:] == seg_p[:, -1:]).unsqueeze(-1).to(xp.dtype)
     if activation is not None:
         out = ACT2FN[activation](out)
     return out.to(xBC.dtype), window
 
 
-def _segsum(a):
-    """(..., T) -> (..., T, T): sum of a[j+1..i] at [i, j] for i >= j, -inf above the diagonal.
+def _segsum(a, cut=None):
+    """(..., T) -> (..., T, T): sum of a[j+1..i] at [i, j] for i >= j, -inf above the diagonal and where
+    ``cut`` (bool, broadcastable to the result) is True — exp() of it is then the decay from j to i, 0 across
+    a document start.
 
     Masked cumsum rather than cumsum differences (no cancellation), as in ssd_minimal.py."""
     T = a.shape[-1]
     x = a[..., None].expand(*a.shape, T)
     below = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device), diagonal=-1)
     x = x.masked_fill(~below, 0).cumsum(dim=-2)
-    on_or_below = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device))
-    return x.masked_fill(~on_or_below, -torch.inf)
+    off = ~torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device))
+    return x.masked_fill(off if cut is None else off | cut, -torch.inf)
 
 
 def ssd_scan(x, dt, A, B, C, D, chunk_size: int, init, seg):
@@ -174,22 +176,23 @@ def ssd_scan(x, dt, A, B, C, D, chunk_size: int, init, seg):
     a = a.permute(0, 3, 1, 2)  # (b, h, c, l)
     acum = a.cumsum(-1)
 
-    # Intra-chunk (diagonal blocks): a decayed causal "attention" C_l·B_s over the chunk.
-    decay_ls = torch.exp(_segsum(a))  # (b, h, c, l, s)
     # Chunk-end states from the chunk's own tokens, and per-token decay from the chunk start.
     decay_end = torch.exp(acum[..., -1:] - acum)  # (b, h, c, l)
     decay_start = torch.exp(acum)  # (b, h, c, l)
     tot = F.pad(acum[..., -1], (1, 0))  # (b, h, c+1): log decay of each chunk, after the incoming state
-    decay_cc = torch.exp(_segsum(tot))  # (b, h, c+1 target, c+1 source)
+    cut_ls = cut_cc = None
     if seg is not None:
         # Padded tokens stay in the last document, so the final state passes through them unchanged.
         seg_c = torch.cat([seg, seg[:, -1:].expand(-1, pad)], dim=1).reshape(seg.shape[0], -1, chunk_size)
         seg_edge = F.pad(seg_c[..., -1], (1, 0))  # (bs, c+1): segment of the state entering each chunk, and after
         f = x.dtype
-        decay_ls = decay_ls * (seg_c[..., :, None] == seg_c[..., None, :]).to(f)[:, None]
+        cut_ls = (seg_c[..., :, None] != seg_c[..., None, :])[:, None]  # (bs, 1, c, l, s)
+        cut_cc = (seg_edge[:, :, None] != seg_edge[:, None, :])[:, None]  # (bs, 1, c+1, c+1)
         decay_end = decay_end * (seg_c == seg_c[..., -1:]).to(f)[:, None]
         decay_start = decay_start * (seg_c == seg_edge[:, :-1, None]).to(f)[:, None]
-        decay_cc = decay_cc * (seg_edge[:, :, None] == seg_edge[:, None, :]).to(f)[:, None]
+    # Intra-chunk (diagonal blocks): a decayed causal "attention" C_l·B_s over the chunk.
+    decay_ls = torch.exp(_segsum(a, cut_ls))  # (b, h, c, l, s)
+    decay_cc = torch.exp(_segsum(tot, cut_cc))  # (b, h, c+1 target, c+1 source)
 
     scores = torch.einsum("bclhn,bcshn->bclsh", C, B) * decay_ls.permute(0, 2, 3, 4, 1)
     y_diag = torch.einsum("bclsh,bcshp->bclhp", scores, xd)
