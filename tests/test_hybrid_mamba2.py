@@ -274,3 +274,24 @@ def _sp_body(rank, world_size):
 def test_mamba2_hybrids_equal_one_process(world_size):
     from tests.harness import run_ranks
     run_ranks(_sp_body, world_size, timeout=900)
+
+
+def test_data_parallel_resets_documents():
+    """One process, data_parallel: packed rows restart the Mamba-2 state (and conv window) at every document, so
+    the model equals each document run alone — forward and every gradient. (granitemoehybrid is left out: its
+    model builds the softmax mask without position_ids, so HF's own attention spans documents there.)"""
+    import copy
+
+    from easy_context import apply_seq_parallel_monkey_patch
+    from tests.model_equiv import build_model, make_batch, per_document_reference, reference_step
+    for family in ("nemotron_h", "bamba", "falcon_h1"):
+        ref = build_model(family)
+        dp = copy.deepcopy(ref)
+        apply_seq_parallel_monkey_patch("data_parallel", dp)
+        ids, _, tgt = make_batch(2, len(PACKED), ref.config.vocab_size, seed=2)
+        pos = PACKED.expand(2, -1)
+        want = per_document_reference(ref, ids, pos, tgt)
+        got = reference_step(dp, ids, pos, tgt)  # one call on the packed rows
+        assert_close(got[0], want[0], name=f"{family} logits")
+        for name in want[2]:
+            assert_close(got[2][name], want[2][name], name=f"{family} grad {name}")
