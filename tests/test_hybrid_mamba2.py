@@ -225,7 +225,8 @@ def test_bfloat16_follows_the_layer():
 # ------------------------------------------------------------------------------------------- multi-rank (gloo)
 # Whole tiny models under sequence parallelism equal one process (tests/model_equiv.py: unsharded logits, loss and
 # every gradient summed over the sp group, float32 within 1e-5; packed rows against one call per document).
-# The Mamba-2 mixers run through easy_context/recurrent/chain.py with this file's adapter.
+# The Mamba-2 mixers run all pieces at once (recurrent/mamba2_parallel.py: conv tails and affine state summaries
+# exchanged); one case per world size runs them through the serial chain instead (recurrent/chain.py).
 # nemotron_h: mamba, attention, mamba (the attention output crosses a second chain); grouped B/C (2 groups of 4
 # heads); 40 tokens: zigzag chunks of 10 / 5 tokens, never a multiple of the SSD chunk (8).
 NEMOTRON = dict(layers_block_type=["mamba", "attention", "mamba"], mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
@@ -246,6 +247,7 @@ def _sp_body(rank, world_size):
     import os
 
     from easy_context.recurrent.chain import DROP_STATE_ENV
+    from easy_context.recurrent.mamba2_parallel import SERIAL_ENV
     from easy_context.tools.check.rank import packed_positions
     from tests.model_equiv import check_model_equivalence
     for mode, kw in _modes(world_size):
@@ -258,16 +260,26 @@ def _sp_body(rank, world_size):
         for family, (mode, kw) in zip(("falcon_h1", "bamba", "granitemoehybrid"), _modes(world_size)):
             check_model_equivalence(rank, world_size, mode, family, position_ids=packed_positions(2, 32, 5), **kw)
             check_model_equivalence(rank, world_size, "ulysses_attn", family, labels_mask="random")
-    # the mutation: states crossing ranks replaced by zeros must fail the same check
-    os.environ[DROP_STATE_ENV] = "1"
+    os.environ[SERIAL_ENV] = "1"  # the same adapter through the serial chain
     try:
-        check_model_equivalence(rank, world_size, "zigzag_ring_attn", "nemotron_h", seq_len=40, model_kw=NEMOTRON)
-    except AssertionError as e:
-        assert "relative error" in str(e), str(e)
-    else:
-        raise AssertionError("dropping the Mamba-2 state exchange went unnoticed")
+        check_model_equivalence(rank, world_size, "zigzag_ring_attn", "nemotron_h", seq_len=40, position_ids=PACKED,
+                                model_kw=NEMOTRON)
     finally:
-        os.environ.pop(DROP_STATE_ENV)
+        os.environ.pop(SERIAL_ENV)
+    # the mutation: what crosses ranks (conv tails, states) replaced by zeros must fail the same check, either path
+    for serial in (False, True):
+        os.environ[DROP_STATE_ENV] = "1"
+        if serial:
+            os.environ[SERIAL_ENV] = "1"
+        try:
+            check_model_equivalence(rank, world_size, "zigzag_ring_attn", "nemotron_h", seq_len=40, model_kw=NEMOTRON)
+        except AssertionError as e:
+            assert "relative error" in str(e), str(e)
+        else:
+            raise AssertionError(f"dropping the Mamba-2 state exchange went unnoticed (serial={serial})")
+        finally:
+            os.environ.pop(DROP_STATE_ENV)
+            os.environ.pop(SERIAL_ENV, None)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -134,6 +134,10 @@ class _Chain(torch.autograd.Function):
 def run_layer(plan: Plan, adapter, layer, x: torch.Tensor) -> torch.Tensor:
     """The layer's output for this rank's tokens, exact for the global sequence (forward and backward)."""
     params = [p for p in layer.parameters() if p.requires_grad]
+    fast = getattr(adapter, "run_plan", None)  # an adapter that runs its pieces at once (mamba2_parallel.py)
+    out = fast(plan, layer, x) if fast is not None and not plan.single else None
+    if out is not None:
+        return out
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
         return chain_forward(plan, adapter, layer, x)[0]
     return _Chain.apply(plan, adapter, layer, x, *params)

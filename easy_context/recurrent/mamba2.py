@@ -214,6 +214,12 @@ class Mamba2Adapter:
     zero_state = staticmethod(zero_state)
     run_chunk = staticmethod(run_chunk)
 
+    @staticmethod
+    def run_plan(plan, layer, x):
+        """All of this rank's pieces at once (no serial chain): mamba2_parallel.py."""
+        from .mamba2_parallel import run_plan
+        return run_plan(plan, layer, x)
+
 
 def _register():
     from .adapter import register_adapter
