@@ -10,7 +10,10 @@ A Nemotron-H-8B-shaped NemotronHMamba2Mixer (hidden 4096, 128 heads x 64, d_stat
   * chain xW: the serial chain's compute for W pieces on one GPU: W pieces of L/W run one after another,
     forward without a graph, then each piece's forward again with autograd + backward (the chain recomputes
     in backward: easy_context/recurrent/chain.py). This is the latency of one recurrent layer under SP on W
-    ranks with the state messages left out (they are B x (conv window + heads x 64 x 128) floats per piece).
+    ranks with the state messages left out (they are B x (conv window + heads x 64 x 128) floats per piece);
+  * piece L/W: one piece of L/W tokens, forward + backward: what each rank computes in the parallel path
+    (recurrent/mamba2_parallel.py; its output correction, one einsum over the piece, is left out) — the
+    per-rank latency to compare with the serial chain's.
 Peak memory is torch.cuda.max_memory_allocated during each case (the layer's weights included).
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -25,12 +29,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import cuda_time_ms, env_line, require_cuda, table  # noqa: E402
 
 
-def build_mixer(device, dtype):
+def build_mixer(device, dtype, tiny=False):
     import transformers as tf
-    cfg = tf.NemotronHConfig(vocab_size=256, hidden_size=4096, num_hidden_layers=1, hybrid_override_pattern="M",
-                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=256,
-                             mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4,
-                             chunk_size=128)
+    dims = dict(hidden_size=64, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=8) \
+        if tiny else dict(hidden_size=4096, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8,
+                          chunk_size=128)
+    cfg = tf.NemotronHConfig(vocab_size=256, num_hidden_layers=1, hybrid_override_pattern="M", num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=256, conv_kernel=4, **dims)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg)
     layer = next(m for m in model.modules() if type(m).__name__ == "NemotronHMamba2Mixer")
@@ -69,11 +74,17 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--doc", type=int, default=2048, help="tokens per packed document in the 'docs' column")
     ap.add_argument("--pieces", type=int, nargs="+", default=[4, 8], help="W of the serial-chain columns")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny layer on CPU: checks the script runs (no timings)")
     args = ap.parse_args()
-    require_cuda()
+    if args.cpu_smoke:
+        args.lengths, args.doc = [64], 16
+    else:
+        require_cuda()
     from easy_context.recurrent.mamba2 import run_chunk, zero_state
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    layer = build_mixer(dev, dt)
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    dt = torch.float32 if args.cpu_smoke else torch.bfloat16
+    layer = build_mixer(dev, dt, tiny=args.cpu_smoke)
+    hidden = layer.hidden_size
     params = list(layer.parameters())
 
     def fwd_bwd(fn, x, dy):
@@ -86,6 +97,10 @@ def main():
         return lambda: chain_grads(layer, x, dy, w)
 
     def measure(step):
+        if args.cpu_smoke:  # runs the step; the number is not a timing anyone should quote
+            t = time.perf_counter()
+            step()
+            return round(1e3 * (time.perf_counter() - t), 1) + 0.1, "-"
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         try:
@@ -95,10 +110,10 @@ def main():
             return "OOM", "-"
         return round(ms, 1), round(torch.cuda.max_memory_allocated() / 2**30, 2)
 
-    print(env_line())
+    print(env_line() if not args.cpu_smoke else "cpu smoke (no timings)")
     rows = []
     for L in args.lengths:
-        x = torch.randn(1, L, 4096, device=dev, dtype=dt)
+        x = torch.randn(1, L, hidden, device=dev, dtype=dt)
         dy = torch.randn_like(x)
         starts = torch.zeros(1, L, dtype=torch.bool, device=dev)
         starts[0, ::args.doc] = True
@@ -119,8 +134,12 @@ def main():
         for w in args.pieces:
             ms, gib = measure(chain(x, dy, w))
             row[f"chain x{w} ms"], row[f"chain x{w} GiB"] = ms, gib
-            if isinstance(ms, float) and isinstance(row["ours ms"], float):
-                row[f"chain x{w}/ours"] = round(ms / row["ours ms"], 3)
+            n = L // w
+            piece_ms, _ = measure(fwd_bwd(lambda t: run_chunk(layer, t, zero_state(layer, 1, dt, dev), None)[0],
+                                          x[:, :n].contiguous(), dy[:, :n].contiguous()))
+            row[f"piece L/{w} ms"] = piece_ms
+            if isinstance(ms, float) and isinstance(piece_ms, float):
+                row[f"chain x{w} / piece"] = round(ms / piece_ms, 2)
         rows.append(row)
         print(row, flush=True)
     cols = list(dict.fromkeys(k for r in rows for k in r))
