@@ -96,7 +96,12 @@ def _compare(layer, x, fn, ref_fn, what):
         assert_close(g, ref_grads[name], name=f"{what}: grad {name}")
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+# bamba and granitemoehybrid share nemotron_h's mixer forward line for line (transformers 5.24): slow-only extras
+_SAME_CODE = pytest.mark.slow
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(m, marks=_SAME_CODE) if m in ("bamba", "granitemoehybrid")
+                                        else m for m in MODEL_TYPES])
 def test_chunks_equal_layer(model_type):
     layer = tiny_mixer(model_type)
     x = torch.randn(2, SEQ, layer.hidden_size)
@@ -105,7 +110,7 @@ def test_chunks_equal_layer(model_type):
     _compare(layer, x, lambda t: _chained(layer, t, CUTS), layer, f"{model_type} chained chunks")
 
 
-@pytest.mark.parametrize("model_type", ["nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("model_type", ["nemotron_h", pytest.param("falcon_h1", marks=pytest.mark.slow)])
 def test_document_resets(model_type):
     layer = tiny_mixer(model_type)
     x = torch.randn(2, SEQ, layer.hidden_size)
