@@ -106,9 +106,11 @@ def _publish(plan, like, local: dict):
 
 
 def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
-    """The mixer's output for this rank's tokens (b, S_local, d), exact for the global sequence (None when
-    ``EASY_CONTEXT_MAMBA2_SERIAL=1``: the caller then runs the serial chain, for comparisons)."""
-    if os.environ.get(SERIAL_ENV) == "1":
+    """The mixer's output for this rank's tokens (b, S_local, d), exact for the global sequence. None (the caller
+    then runs the serial chain) with ``EASY_CONTEXT_MAMBA2_SERIAL=1`` (comparisons) and under DeepSpeed ZeRO-3:
+    its partitioned parameters are gathered by per-module hooks that must run alike on every rank, and ranks may
+    hold different numbers of pieces (the chain gathers the layer once: chain.py, zero3.py)."""
+    if os.environ.get(SERIAL_ENV) == "1" or any(hasattr(p, "ds_id") for p in layer.parameters()):
         return None
     me, pieces = plan.me, plan.pieces
     mine = [i for i, p in enumerate(pieces) if p.owner == me]
