@@ -37,6 +37,14 @@ _TABLE = (
     Family("qwen3_5", "Qwen3_5Attention", model_types=("qwen3_5_text",), recurrent=("Qwen3_5GatedDeltaNet",)),
     Family("lfm2", "Lfm2Attention", recurrent=("Lfm2ShortConv",)),                     # short convolutions
 )
+# Hybrid Mamba-2 models (issue #30): the softmax layers as above, the Mamba-2 mixers run by
+# easy_context/recurrent/mamba2.py. falcon_h1 runs attention and a mixer side by side in every layer.
+_TABLE += (
+    Family("nemotron_h", "NemotronHAttention", recurrent=("NemotronHMamba2Mixer",)),  # no RoPE
+    Family("bamba", "BambaAttention", recurrent=("BambaMixer",)),
+    Family("granitemoehybrid", "GraniteMoeHybridAttention", recurrent=("GraniteMoeHybridMambaLayer",)),
+    Family("falcon_h1", "FalconH1Attention", recurrent=("FalconH1Mixer",)),
+)
 FAMILIES: dict[str, Family] = {f.name: f for f in _TABLE}
 NORM_CLASSES: tuple[str, ...] = tuple(f.norm for f in _TABLE if f.norm)
 ROPE_ATTENTIONS: tuple[str, ...] = tuple(f.attention for f in _TABLE if f.fused_rope)

@@ -9,7 +9,8 @@ import torch
 
 # supported (adapters in easy_context/recurrent) and refused-but-buildable families
 SUPPORTED = ("qwen3_next", "lfm2", "qwen3_5")
-REFUSED = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "mamba2", "jamba")
+MAMBA2 = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid")  # Mamba-2 adapter (recurrent/mamba2.py)
+REFUSED = ("mamba2", "jamba")
 
 _ATTN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
              max_position_embeddings=4096, tie_word_embeddings=False)
@@ -62,7 +63,7 @@ def make_hybrid_config(family: str, layers: tuple[str, ...] | None = None, **ove
         kw.update(intermediate_size=96, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1,
                   expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1)
     else:
-        raise ValueError(f"unknown hybrid family {family!r}; choose one of {SUPPORTED + REFUSED}")
+        raise ValueError(f"unknown hybrid family {family!r}; choose one of {SUPPORTED + MAMBA2 + REFUSED}")
     kw.update(overrides)
     return cls(**kw)
 

@@ -71,8 +71,8 @@ def make_config(family: str, **overrides):
         kw.update(head_dim=16, sliding_window=4096, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
                   pad_token_id=0, bos_token_id=2, eos_token_id=1)
     else:
-        from tests.hybrid_models import SUPPORTED, make_hybrid_config  # softmax + recurrent hybrids (issue #30)
-        if family in SUPPORTED:
+        from tests.hybrid_models import MAMBA2, SUPPORTED, make_hybrid_config  # softmax + recurrent hybrids (issue #30)
+        if family in SUPPORTED + MAMBA2:
             return make_hybrid_config(family, **overrides)
         raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + EXTRA_FAMILIES + SUPPORTED}")
     kw.update(overrides)
@@ -82,8 +82,8 @@ def make_config(family: str, **overrides):
 def build_model(family: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides):
     """The same tiny float32 causal LM on every rank (fixed seed; built from a config)."""
     import transformers as tf
-    from tests.hybrid_models import SUPPORTED, build_hybrid
-    if family in SUPPORTED:  # softmax + recurrent hybrids (issue #30)
+    from tests.hybrid_models import MAMBA2, SUPPORTED, build_hybrid
+    if family in SUPPORTED + MAMBA2:  # softmax + recurrent hybrids (issue #30)
         return build_hybrid(family, seed, attn_implementation, **overrides)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(make_config(family, **overrides), dtype=torch.float32,

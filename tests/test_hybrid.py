@@ -54,10 +54,10 @@ def test_softmax_only_families_have_no_recurrent_layer():
 
 def test_check_refuses_before_any_rank(tmp_path, capsys):
     from easy_context.tools.check import main
-    make_hybrid_config("nemotron_h").save_pretrained(tmp_path)
+    make_hybrid_config("jamba").save_pretrained(tmp_path)  # Mamba-1 mixers: no adapter
     assert main(["--model", str(tmp_path), "--parallel_mode", "ulysses_attn", "--world", "2"]) == 2
     err = capsys.readouterr().err
-    assert "NemotronHMamba2Mixer" in err and "nemotron_h" in err, err
+    assert "JambaMambaMixer" in err and "jamba" in err, err
 
 
 # ---------------------------------------------------------------------------------------------- exactness
@@ -154,8 +154,8 @@ def test_document_resets_on_one_process(mode):
 
 def test_eval_engine_refuses_unsupported_recurrent_models():
     from easy_context.inference import SeqParallelLM
-    with pytest.raises(ValueError, match="NemotronHMamba2Mixer"):
-        SeqParallelLM(build_hybrid("nemotron_h").eval(), "data_parallel")
+    with pytest.raises(ValueError, match="JambaMambaMixer"):
+        SeqParallelLM(build_hybrid("jamba").eval(), "data_parallel")
 
 
 # ---------------------------------------------------------------------------------------------- eval engine

@@ -182,6 +182,8 @@ def _patch_instance(mode: Mode, model, groups):
     family = family_of_model_type(family)
     if family in FAMILIES:
         check_transformers_compat(family)
+        from ..layer_positions import apply as pass_positions  # packed documents need them (granitemoehybrid)
+        pass_positions(mode.name, model, family)
     if not mode.is_parallel:  # plain attention back
         prev = getattr(model, "_easy_context_prev_attn", None)
         if prev is not None:

@@ -11,3 +11,4 @@ _SHORT_CONV = HybridCacheAdapter(None)          # conv window only
 for _name in ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet"):
     register_adapter(_name, _DELTA)
 register_adapter("Lfm2ShortConv", _SHORT_CONV)
+from . import mamba2  # noqa: E402,F401  (Mamba-2 mixers: nemotron_h, bamba, granitemoehybrid, falcon_h1)

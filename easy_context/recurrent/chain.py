@@ -146,6 +146,10 @@ def _backward_chain(plan, adapter, layer, x, d_out, states_in, params, d_x, d_pa
 def run_layer(plan: Plan, adapter, layer, x: torch.Tensor) -> torch.Tensor:
     """The layer's output for this rank's tokens, exact for the global sequence (forward and backward)."""
     params = [p for p in layer.parameters() if p.requires_grad]
+    fast = getattr(adapter, "run_plan", None)  # an adapter with its own parallel path (Mamba-2: mamba2_parallel.py)
+    out = fast(plan, layer, x) if fast is not None and not plan.single else None
+    if out is not None:
+        return out
     if plan.single:  # one process (data_parallel resets, an sp mode on one rank): plain autograd, ZeRO-3 too
         return chain_forward(plan, adapter, layer, x)[0]
     with gathered(layer):  # ZeRO-3 across ranks: refused (zero3.py)
