@@ -52,12 +52,15 @@ def test_softmax_only_families_have_no_recurrent_layer():
         assert recurrent_layers(build_model(family)) == [], family
 
 
-def test_check_refuses_before_any_rank(tmp_path, capsys):
+def test_check_refuses_before_any_rank(tmp_path, capsys, monkeypatch):
+    from easy_context.recurrent import adapter
     from easy_context.tools.check import main
-    make_hybrid_config("jamba").save_pretrained(tmp_path)  # Mamba-1 mixers: no adapter
+    supported_classes()  # the built-in adapters registered, then one taken away: its layer is now unsupported
+    monkeypatch.delitem(adapter._ADAPTERS, "NemotronHMamba2Mixer")
+    make_hybrid_config("nemotron_h").save_pretrained(tmp_path)
     assert main(["--model", str(tmp_path), "--parallel_mode", "ulysses_attn", "--world", "2"]) == 2
     err = capsys.readouterr().err
-    assert "JambaMambaMixer" in err and "jamba" in err, err
+    assert "NemotronHMamba2Mixer" in err and "nemotron_h" in err, err
 
 
 # ---------------------------------------------------------------------------------------------- exactness

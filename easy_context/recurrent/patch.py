@@ -58,7 +58,7 @@ def _forward_for(ctx, layer, adapter):
     def forward(hidden_states, *args, cache=None, attention_mask=None, **kwargs):
         has_cache = cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("cache_params") is not None
         padded = attention_mask is not None and not bool(attention_mask.bool().all())
-        if (has_cache or padded) and ctx.not get_mode(seq_algo).is_parallel:  # one process, generation: the layer as it is
+        if (has_cache or padded) and not get_mode(ctx.seq_algo).is_parallel:  # one process, generation: the layer as it is
             return type(layer).forward(layer, hidden_states, *args, cache=cache, attention_mask=attention_mask, **kwargs)
         if has_cache:
             raise ValueError(f"{ctx.seq_algo}: a cache is not supported in the sequence-parallel recurrent layers; "
