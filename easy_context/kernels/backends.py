@@ -156,6 +156,8 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 def _cudnn_forward(q, k, v, causal, scale):
+    if q.shape[1] == 1 and k.shape[1] == 1:  # cuDNN refuses s_q = s_kv = 1 (a one-token packed document)
+        return _math_forward(q, k, v, causal, scale)
     k, v = _expand_kv(k, v, q.shape[2])
     o, lse, *_ = aten._scaled_dot_product_cudnn_attention(
         _bhld(q), _bhld(k), _bhld(v), None, True, 0.0, causal, False, scale=scale)
@@ -165,6 +167,8 @@ def _cudnn_forward(q, k, v, causal, scale):
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     # Dense (non-varlen) call: cum_seq/attn_bias are None, philox state unused without dropout
     # (probed on H200 / torch 2.11: None is accepted where the forward returned None).
+    if q.shape[1] == 1 and k.shape[1] == 1:  # cuDNN refuses s_q = s_kv = 1 (a one-token packed document)
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
     hkv = k.shape[2]
     ke, ve = _expand_kv(k, v, q.shape[2])
     lq, lk = q.shape[1], k.shape[1]
