@@ -215,7 +215,8 @@ def _windowed(qo, qg, n, ko, kg, m, causal, w):
     return out
 
 
-def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None) -> torch.Tensor:
+def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
+                     check_rows: int | None = None) -> torch.Tensor:
     """The global (B, L) positions of the sequence this sp group shares, from every rank's local ones.
 
     Packed rows are cut by their ``dispatch`` (dispatch.py; the table the local positions carry): every rank adds
@@ -243,7 +244,11 @@ def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None) -> 
     if not (dist.is_available() and dist.is_initialized()):
         return local
     full = mode.gather_positions(local, groups, gather, dispatch)  # the Mode (``layout.mode``) undoes its own cut
-    _check_dispatched(mode, full, dispatch)
+    if dispatch is not None:  # ``check_rows``: the leading rows that are the positions (callers may append rows)
+        from .dispatch import check_fingerprint
+        check_fingerprint(dispatch, full if check_rows is None else full[:check_rows], mode.name)
+    if full is not local:  # one rank in the group: nothing was cut, nothing to check
+        _check_dispatched(mode, full, dispatch)
     return full
 
 
@@ -252,11 +257,9 @@ def unshard_gathered(mode, parts, dispatch=None, **kw) -> torch.Tensor:
     count read off the gathered positions."""
     from .sharding import layout_pairs
     if dispatch is not None:
-        from .dispatch import check_fingerprint, check_world
+        from .dispatch import check_world
         check_world(dispatch, len(parts), sum(p.shape[1] for p in parts), mode.name)
-        full = dispatch.unshard(parts, dim=1)
-        check_fingerprint(dispatch, full, mode.name)
-        return full
+        return dispatch.unshard(parts, dim=1)
     cat = torch.cat(parts, dim=1)
     return mode.unshard(parts, dim=1, pairs=layout_pairs(cat, cat.shape[1], len(parts)), **kw)
 

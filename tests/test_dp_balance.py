@@ -1,6 +1,5 @@
 """Data-parallel balance of packed rows (issue #28): sum L^2 per row, the balanced epoch order, the loader (disjoint
 rows per step, resume from its state_dict, refusal of another dp size), and make_loader's flag."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,12 +78,13 @@ def test_loader_disjoint_resumable_and_refuses_another_dp():
 def test_make_loader_flag():
     from easy_context.training.data import make_loader
     ds = _ds().with_format("torch")  # as train.py's validate_packed leaves it
-    layout = SimpleNamespace(seq_algo="zigzag_ring_attn", dp=2, dp_rank=1)
-    assert isinstance(make_loader(ds, "zigzag_ring_attn", layout, 2, 32, 0, None), BalancedLoader)
-    assert not isinstance(make_loader(ds, "zigzag_ring_attn", layout, 2, 32, 0, None, balance="off"), BalancedLoader)
-    one = SimpleNamespace(seq_algo="zigzag_ring_attn", dp=1, dp_rank=0)
-    assert not isinstance(make_loader(ds, "zigzag_ring_attn", one, 2, 32, 0, None), BalancedLoader)
-    assert isinstance(make_loader(ds.remove_columns("position_ids"), "zigzag_ring_attn", layout, 2, 32, 0, None,
+    from easy_context import ParallelLayout
+    layout = ParallelLayout.build("zigzag_ring_attn", sp_size=1, world_size=2, rank=1)  # dp 2, this is dp rank 1
+    assert isinstance(make_loader(ds, layout, 2, 32, 0, None), BalancedLoader)
+    assert not isinstance(make_loader(ds, layout, 2, 32, 0, None, balance="off"), BalancedLoader)
+    one = ParallelLayout.build("zigzag_ring_attn", world_size=1)
+    assert not isinstance(make_loader(ds, one, 2, 32, 0, None), BalancedLoader)
+    assert isinstance(make_loader(ds.remove_columns("position_ids"), layout, 2, 32, 0, None,
                                   balance="on"), BalancedLoader)
-    batch = next(iter(make_loader(ds, "zigzag_ring_attn", layout, 2, 32, 0, None)))
+    batch = next(iter(make_loader(ds, layout, 2, 32, 0, None)))
     assert set(batch) == {"input_ids", "position_ids"} and batch["input_ids"].shape == (2, 33)

@@ -64,6 +64,9 @@ def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, b
 
     from ..packing import gather_positions
     me = _me()
+    from ..dispatch import DISPATCH_ATTR
+    dispatch = getattr(position_ids, DISPATCH_ATTR, None)  # packed rows dealt by dispatch.py (the attention's cut)
+    rows = None if position_ids is None else (1 if position_ids.dim() == 1 else position_ids.shape[0])
     if position_ids is not None and position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
     if position_ids is not None and position_ids.shape[0] == 1 and batch > 1:
@@ -75,7 +78,8 @@ def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, b
         raise ValueError(f"{seq_algo}: the recurrent layers need position_ids (from prepare_seq_parallel_inputs) "
                          "to know where this rank's tokens lie in the sequence; pass position_ids= to the model")
     ids = (me * length + torch.arange(length, device=position_ids.device) + 1).unsqueeze(0)
-    glob = gather_positions(get_mode(seq_algo), torch.cat([position_ids.to(ids.dtype), ids], 0), groups)
+    glob = gather_positions(get_mode(seq_algo), torch.cat([position_ids.to(ids.dtype), ids], 0), groups, dispatch,
+                            check_rows=rows)
     gid = (glob[-1] - 1).cpu()
     owner, off = (gid // length).tolist(), (gid % length).tolist()
     pieces, start = [], 0
