@@ -112,5 +112,9 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
             setattr(local, DISPATCH_ATTR, table)
         return local
 
-    return {"local_input_ids": cut(input_ids), "local_position_ids": cut(position_ids),
+    local_pos = cut(position_ids)
+    if table is not None:  # found again by value where a model rebuilds its position ids (dispatch.table_of)
+        from .dispatch import remember
+        remember(local_pos, table, mode.name)
+    return {"local_input_ids": cut(input_ids), "local_position_ids": local_pos,
             "local_target_ids": cut(target_ids)}

@@ -335,3 +335,36 @@ def check_world(dispatch: Dispatch, world: int, length: int, what: str) -> None:
 
 __all__ = ["Dispatch", "DispatchError", "DISPATCH_ATTR", "LAYOUT_ENV", "plan_dispatch", "predict", "solve", "resolve",
            "token_costs", "packed_layout", "check_world", "candidates"]
+
+
+# Models that rebuild their position ids (Qwen3.5's multimodal RoPE expands them into new tensors) drop the attribute
+# the table rides on. The table of the latest local position ids this process cut is kept here, keyed by their
+# content: the attention finds it again from the values it receives. The digest all-gather still proves that every
+# rank uses the same table.
+_RECENT: dict = {}
+_RECENT_MAX = 8
+
+
+def _local_key(local: torch.Tensor):
+    t = local.detach().reshape(-1, local.shape[-1])
+    return (tuple(t.shape), _hash(t.to("cpu", torch.long).numpy().tobytes()))
+
+
+def remember(local: torch.Tensor, table, mode: str) -> None:
+    """Keep ``table`` for these local position ids cut for ``mode`` (prepare_seq_parallel_inputs calls it)."""
+    if table is None:
+        return
+    _RECENT[(mode, _local_key(local))] = table
+    while len(_RECENT) > _RECENT_MAX:
+        _RECENT.pop(next(iter(_RECENT)))
+
+
+def table_of(local: torch.Tensor | None, mode) -> "Dispatch | None":
+    """The dispatch table of these local position ids under ``mode`` (a Mode): the attribute, else the one remembered
+    for their values; None for a mode whose cut never dispatches."""
+    if local is None or not mode.dispatches:
+        return None
+    table = getattr(local, DISPATCH_ATTR, None)
+    if table is None and _RECENT:
+        table = _RECENT.get((mode.name, _local_key(local)))
+    return table

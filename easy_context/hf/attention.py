@@ -61,8 +61,8 @@ def _documents(mode: Mode, groups, state, position_ids):
     hit = state.get("docs")
     if hit is not None and hit[0]() is position_ids and hit[1] == version:
         return hit[2]
-    from ..dispatch import DISPATCH_ATTR
-    dispatch = getattr(position_ids, DISPATCH_ATTR, None)  # the chunk table prepare_seq_parallel_inputs attached
+    from ..dispatch import table_of
+    dispatch = table_of(position_ids, mode)  # the chunk table prepare_seq_parallel_inputs attached (or remembered)
     global_pos = packing.gather_positions(mode, position_ids, groups, dispatch)
     try:
         docs = packing.documents(global_pos)

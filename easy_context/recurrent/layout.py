@@ -64,8 +64,8 @@ def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, b
 
     from ..packing import gather_positions
     me = _me()
-    from ..dispatch import DISPATCH_ATTR
-    dispatch = getattr(position_ids, DISPATCH_ATTR, None)  # packed rows dealt by dispatch.py (the attention's cut)
+    from ..dispatch import table_of
+    dispatch = table_of(position_ids, get_mode(seq_algo))  # packed rows dealt by dispatch.py (the attention's cut)
     rows = None if position_ids is None else (1 if position_ids.dim() == 1 else position_ids.shape[0])
     if position_ids is not None and position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
