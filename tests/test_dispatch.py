@@ -193,9 +193,12 @@ def _bad_tables(rank, world_size, packings):
         setattr(local_pos, DISPATCH_ATTR, other)
     with pytest.raises(DispatchError, match="different dispatch tables"):
         model(prep["local_input_ids"], position_ids=local_pos, use_cache=False)
-    bare = prep["local_position_ids"].clone()  # a copy drops the table
+    bare = prep["local_position_ids"].clone()  # a copy drops the attribute: the table is found again by value
+    model(prep["local_input_ids"], position_ids=bare, use_cache=False)
+    from easy_context import dispatch as dispatch_mod
+    dispatch_mod._RECENT.clear()  # ... unless this process never cut these positions: then a clear error
     with pytest.raises(DispatchError, match="carry no dispatch table"):
-        model(prep["local_input_ids"], position_ids=bare, use_cache=False)
+        model(prep["local_input_ids"], position_ids=bare.clone(), use_cache=False)
     # every rank carries the same table, but one planned for another batch of the same length
     other = _positions([700, 1, pos.shape[1] - 701])
     stale = getattr(prepare_seq_parallel_inputs("zigzag_ring_attn", ids, other, None, rank, world_size, "cpu")

@@ -73,14 +73,7 @@ def atomic_dir(final: str, is_main: bool = True, barrier=lambda: None):
     yield tmp
     barrier()
     if is_main:
-        old = None
-        if os.path.exists(final):  # re-saving the same step: move the old one aside first
-            old = os.path.join(parent, f".tmp-old-{name}")
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(parent)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        _publish(tmp, final, parent, name)
     barrier()
 
 
@@ -206,14 +199,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
         attempt(shards)
         attempt(state)
         if main:
-            old = None
-            if os.path.exists(final):  # re-saving the same step: move the old one aside first
-                old = os.path.join(parent, f".tmp-old-{name}")
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(parent)
-            if old:
-                shutil.rmtree(old, ignore_errors=True)
+            _publish(tmp, final, parent, name)
         accelerator.wait_for_everyone()
     if main and keep > 0:
         mine = [p for _, p in list_checkpoints(output_dir) if run_of(p) in (run_id, None)]
@@ -243,3 +229,15 @@ def load_checkpoint(accelerator, path: str) -> dict:
         state = json.load(f)
     TRACKER.step = state["step"]  # the fault reports count steps from here
     return state
+
+
+def _publish(tmp: str, final: str, parent: str, name: str) -> None:
+    """The finished temp directory becomes ``final`` in one rename (an old one of the same step moved aside first)."""
+    old = None
+    if os.path.exists(final):  # re-saving the same step: move the old one aside first
+        old = os.path.join(parent, f".tmp-old-{name}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(parent)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
