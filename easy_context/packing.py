@@ -21,7 +21,10 @@ local rows are joined into one (``_join``) so a document crossing many fine chun
 
 Sliding windows (Mistral's ``sliding_window``, Gemma 3's local layers) ride on the same blocks: a ``Documents``
 with ``window=W`` (one document when the row is not packed) keeps key j for query i only when j > i - W (HF's
-rule), also inside a document. Each piece is cut into q tiles of W rows; a tile [s, e) needs
+rule), also inside a document. Each piece is trimmed to the keys some row of it sees and the rows that see some key;
+a piece the window leaves whole stays a plain causal / rectangle piece, the others become one ``Window`` piece:
+the mask (band below, causal diagonal above) in one kernel call where the kernel has a window (fa4's
+window_size), else cut by the kernel facade into q tiles of W rows (``Window.tiles``): a tile [s, e) needs
   keys [e - W, s)      seen by every row of the tile          -> a dense piece
   keys [s, e)          its causal diagonal (W rows: all inside the window) -> a causal piece
   keys [s - W + 1, e - W)  seen by some rows only (j >= i - W + 1) -> a ``Band`` piece (explicit mask)
@@ -45,6 +48,51 @@ class PackedPositionsError(ValueError):
 class Band:
     """Mask of a piece cut by a sliding window: key b is kept for query a (piece-local) iff b - a >= c."""
     c: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """A piece under a sliding window ``w``: key b is kept for query a (piece-local) iff b - a > d - w and, when
+    ``causal`` (a diagonal piece, d = 0), b <= a. ``d``: global index of the piece's first q row minus that of its
+    first kv row. Pieces are trimmed so that every row keeps at least one key (a kernel never sees an empty row)."""
+    w: int
+    d: int
+    causal: bool
+
+    def kernel_window(self, n: int, m: int) -> tuple[int, int | None]:
+        """(left, right) in flash-attention's bottom-right-aligned convention for n q rows and m keys: key b kept
+        for query a iff a + m - n - left <= b (<= a + m - n + right when right is not None)."""
+        return m - n - self.d + self.w - 1, (self.d - (m - n)) if self.causal else None
+
+    def tiles(self, n: int, m: int) -> list[tuple[slice, slice, "bool | Band"]]:
+        """The same mask as dense / causal / ``Band`` pieces in q tiles of w rows (kernels without a window)."""
+        out, w = [], self.w
+        for s in range(self.d, self.d + n, w):  # q rows in kv-local coordinates [d, d + n)
+            e = min(s + w, self.d + n)
+            lo, hi = max(0, s - w + 1), min(m, e)
+            if lo >= hi:
+                continue  # the whole piece lies before this tile's window
+            full_lo, full_hi = max(lo, e - w), (min(hi, s) if self.causal else hi)
+            q_sl = slice(s - self.d, e - self.d)
+            if lo < min(e - w, hi):  # keys only some rows of the tile see
+                out.append((q_sl, slice(lo, min(e - w, hi)), Band(s - w + 1 - lo)))
+            if full_lo < full_hi:
+                out.append((q_sl, slice(full_lo, full_hi), False))
+            if self.causal:
+                out.append((q_sl, slice(s, e), True))
+        return out
+
+
+def piece_mask(kind: "bool | Band | Window", n: int, m: int) -> torch.Tensor:
+    """The (n, m) bool keep-mask a piece of n q rows and m kv rows stands for (the readable definition; tests)."""
+    a, b = torch.arange(n)[:, None], torch.arange(m)[None, :]
+    if kind is False:
+        return torch.ones(n, m, dtype=torch.bool)
+    if kind is True:
+        return b <= a
+    if isinstance(kind, Band):
+        return b - a >= kind.c
+    return (b - a > kind.d - kind.w) & ((b <= a + kind.d) if kind.causal else True)
 
 
 def documents(positions: torch.Tensor, window: int | None = None) -> "Documents | None":
@@ -140,7 +188,7 @@ class BlockDocs:
         return hit
 
 
-def _pieces(d: torch.Tensor, q_runs, k_runs, window=None) -> list[tuple[slice, slice, "bool | Band"]]:
+def _pieces(d: torch.Tensor, q_runs, k_runs, window=None) -> list[tuple[slice, slice, "bool | Window"]]:
     out = []
 
     def add(qo, qg, n, ko, kg, m, causal):  # a piece in block offsets (qo, ko) and global starts (qg, kg)
@@ -196,23 +244,18 @@ def _join(pieces):
 
 
 def _windowed(qo, qg, n, ko, kg, m, causal, w):
-    """Cut one piece (q rows [qg, qg+n), kv rows [kg, kg+m) globally; ``causal``: a diagonal piece, else every
-    kv row precedes every q row) by the window rule j > i - w, in q tiles of w rows (see the module doc)."""
-    out = []
-    for s in range(qg, qg + n, w):
-        e = min(s + w, qg + n)
-        lo, hi = max(kg, s - w + 1), min(kg + m, e)
-        if lo >= hi:
-            continue  # the whole piece lies before this tile's window
-        full_lo, full_hi = max(lo, e - w), (min(hi, s) if causal else hi)
-        q_sl = slice(qo + s - qg, qo + e - qg)
-        if lo < min(e - w, hi):  # keys only some rows of the tile see
-            out.append((q_sl, slice(ko + lo - kg, ko + min(e - w, hi) - kg), Band(s - w + 1 - lo)))
-        if full_lo < full_hi:
-            out.append((q_sl, slice(ko + full_lo - kg, ko + full_hi - kg), False))
-        if causal:
-            out.append((q_sl, slice(ko + s - kg, ko + e - kg), True))
-    return out
+    """Trim one piece (q rows [qg, qg+n), kv rows [kg, kg+m) globally; ``causal``: a diagonal piece, else every kv
+    row precedes every q row) to what the window rule j > i - w keeps: [] (nothing), the plain piece (the window
+    cuts nothing) or one ``Window`` piece."""
+    if causal:
+        return [(slice(qo, qo + n), slice(ko, ko + m), True if n <= w else Window(w, 0, True))]
+    k0 = max(0, qg - w + 1 - kg)                 # keys before this are seen by no row
+    n = min(n, kg + m + w - 1 - qg)              # rows from this on see no key
+    if n <= 0 or k0 >= m:
+        return []
+    d = qg - (kg + k0)
+    q_sl, k_sl = slice(qo, qo + n), slice(ko + k0, ko + m)
+    return [(q_sl, k_sl, False if n - 1 + d < w else Window(w, d, False))]
 
 
 def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
@@ -284,4 +327,4 @@ def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> t
     return shard_sequence(seq_algo, torch.arange(length), rank, world, dim=0, **kw)
 
 
-__all__ = ["documents", "Documents", "Band", "BlockDocs", "PackedPositionsError", "gather_positions", "global_indices"]
+__all__ = ["documents", "Documents", "Band", "Window", "piece_mask", "BlockDocs", "PackedPositionsError", "gather_positions", "global_indices"]

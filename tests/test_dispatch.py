@@ -114,9 +114,7 @@ def _ring_mask(docs, d):
             assert src == r or pieces, "a needed kv chunk gives no piece"
             for qs, ks, c in pieces:
                 qi, ki = bd.q_idx[qs], bd.k_idx[ks]
-                a, b = torch.arange(len(qi))[:, None], torch.arange(len(ki))[None, :]
-                keep = torch.ones(len(qi), len(ki), dtype=torch.bool) if c is False else \
-                    (b <= a if c is True else b - a >= c.c)
+                keep = packing.piece_mask(c, len(qi), len(ki))
                 m[qi[:, None], ki[None, :]] += keep.long()
     return m, plan
 

@@ -53,10 +53,11 @@ def _mask_of(pieces, nq, nk):
     """The dense (nq, nk) keep-mask the pieces describe (each key at most once per query: asserted)."""
     m = torch.zeros(nq, nk, dtype=torch.long)
     for qs, ks, c in pieces:
-        a = torch.arange(qs.stop - qs.start)[:, None]
-        b = torch.arange(ks.stop - ks.start)[None, :]
-        keep = torch.ones(len(a), b.shape[1], dtype=torch.bool) if c is False else (b <= a if c is True else
-                                                                                    b - a >= c.c)
+        nq_, nk_ = qs.stop - qs.start, ks.stop - ks.start
+        keep = packing.piece_mask(c, nq_, nk_)
+        if isinstance(c, packing.Window):
+            assert bool(keep.any(1).all()), f"{c}: a row without keys"
+            assert torch.equal(_mask_of(c.tiles(nq_, nk_), nq_, nk_), keep), c  # the no-window kernels' cut
         m[qs, ks] += keep.long()
     assert int(m.max()) <= 1, "two pieces cover the same (query, key)"
     return m.bool()
@@ -160,6 +161,80 @@ def test_varlen_grouping_matches_per_document_calls(monkeypatch):
         for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
             assert_close(a, b, 1e-12, f"varlen {name}")
     assert _math_varlen_forward.calls >= 2
+
+
+def _fa_window_math(q, k, v, left, right, scale, fallback):
+    """A windowed kernel in flash-attention's convention (key b kept for query a iff a + Lk - Lq - left <= b and,
+    unless right is None, b <= a + Lk - Lq + right), by an explicit float64 mask: checks ``kernel_window``."""
+    n, m = q.shape[1], k.shape[1]
+    a, b = torch.arange(n)[:, None], torch.arange(m)[None, :]
+    keep = (b >= a + m - n - left) & ((b <= a + m - n + right) if right is not None else True)
+    assert bool(keep.any(1).all()), "a windowed piece handed the kernel a row without keys"
+    g = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(g, dim=2).transpose(1, 2) for t in (k, v))
+    s = (q.transpose(1, 2) @ kk.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return (torch.softmax(s, -1) @ vv).transpose(1, 2), lse
+
+
+def _fa_window_math_bwd(dout, q, k, v, out, lse, left, right, scale, fallback):
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    o, _ = _fa_window_math(qr, kr, vr, left, right, scale, None)
+    return torch.autograd.grad(o, (qr, kr, vr), dout)
+
+
+@pytest.mark.parametrize("window", [3, 5, 16])
+def test_windowed_pieces_through_a_window_kernel(monkeypatch, window):
+    """A backend with a window kernel (fa4's convention, faked in float64) gives what the tiled path gives, for
+    every block a ring asks for: diagonal, kv before q (the band edge), zigzag pairs, packed and not."""
+    g = torch.Generator().manual_seed(3)
+    for lengths in ([40], [3, 1, 17, 2, 9, 8]):
+        n = sum(lengths)
+        q, do = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        docs = packing.documents(_positions(lengths), window=window)
+        halves = [torch.arange(0, 10), torch.arange(10, 20), torch.arange(20, 30), torch.arange(30, 40)]
+        blocks = [(torch.arange(n), torch.arange(n)), (halves[2], halves[0]), (halves[3], halves[1]),
+                  (torch.cat([halves[0], halves[3]]), torch.cat([halves[1], halves[2]]))]
+        for q_idx, k_idx in blocks:
+            blk = docs.block(q_idx, k_idx)
+            if not blk.pieces():
+                continue
+            qi, ki, vi, di = q[:, q_idx], k[:, k_idx], v[:, k_idx], do[:, q_idx]
+            ref = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
+            rg = kernels.attn_backward(di, qi, ki, vi, *ref, True, 0.3, "math", docs=blk)
+            monkeypatch.setitem(kernels.documents.WINDOWED, "math", (_fa_window_math, _fa_window_math_bwd))
+            got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
+            gg = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk)
+            monkeypatch.delitem(kernels.documents.WINDOWED, "math")
+            for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
+                seen = torch.isfinite(b)  # rows the block masks entirely: lse -inf in both
+                assert torch.equal(seen, torch.isfinite(a)), name
+                assert_close(a[seen], b[seen], 1e-12, f"window {window} {lengths} {name}")
+    assert any(isinstance(c, packing.Window) for _, _, c in docs.block(torch.arange(n), torch.arange(n)).pieces())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_windowed_attention_on_gpu_matches_reference(packed):
+    """bf16 through the auto backend (fa4's window_size when installed) vs float64 math, diagonal and band blocks."""
+    g = torch.Generator().manual_seed(11)
+    lengths = [700, 3, 1300, 45] if packed else [2048]
+    n, w = sum(lengths), 256
+    q, do = (torch.randn(1, n, 8, 128, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, n, 2, 128, generator=g, dtype=torch.float64) for _ in range(2))
+    docs = packing.documents(_positions(lengths), window=w)
+    for q_idx, k_idx in ((torch.arange(n), torch.arange(n)), (torch.arange(1024, 2048), torch.arange(0, 1024))):
+        blk = docs.block(q_idx, k_idx)
+        qi, ki, vi, di = q[:, q_idx], k[:, k_idx], v[:, k_idx], do[:, q_idx]
+        ref = kernels.attn_forward(qi, ki, vi, True, None, "math", docs=blk)
+        rg = kernels.attn_backward(di, qi, ki, vi, *ref, True, None, "math", docs=blk)
+        qb, kb, vb, db = (t.cuda().bfloat16() for t in (qi, ki, vi, di))
+        got = kernels.attn_forward(qb, kb, vb, True, None, docs=blk)
+        gg = kernels.attn_backward(db, qb, kb, vb, *got, True, None, docs=blk)
+        for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
+            keep = torch.isfinite(b) if name == "lse" else slice(None)
+            assert_close(a.double().cpu()[keep], b[keep], 2e-2, f"gpu window {name} packed={packed}")
 
 
 @pytest.mark.gpu

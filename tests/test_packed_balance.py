@@ -166,9 +166,7 @@ def _global_mask(world, length, docs, pairs):
                 continue
             for qs, ks, c in st.docs.pieces():
                 qi, ki = st.docs.q_idx[qs], st.docs.k_idx[ks]
-                a, b = torch.arange(len(qi))[:, None], torch.arange(len(ki))[None, :]
-                keep = torch.ones(len(qi), len(ki), dtype=torch.bool) if c is False else \
-                    (b <= a if c is True else b - a >= c.c)
+                keep = packing.piece_mask(c, len(qi), len(ki))
                 m[qi[:, None], ki[None, :]] += keep.long()
     return m
 

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..packing import Window
 from . import fa4
 from .backends import _BACKWARD, _FORWARD
 from .reference import _math_backward, _math_forward
@@ -18,6 +19,11 @@ def _doc_rows(q, docs):
         return [(slice(None), docs.pieces(0))]
     return [(slice(b, b + 1), docs.pieces(b)) for b in range(q.shape[0])]
 
+
+# Backends with a sliding-window kernel: a ``Window`` piece is one call (forward(q, k, v, left, right, scale,
+# fallback) -> (out, lse); backward(dout, q, k, v, out, lse, left, right, scale, fallback) -> grads). Others cut it
+# into tiles (``Window.tiles``) whose band edges run on the math kernel.
+WINDOWED = {"fa4": (fa4.window_forward, fa4.window_backward)}
 
 # Backends with a varlen (cu_seqlens) kernel: a diagonal run of many documents is one launch instead of one
 # per document. (forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fallback) on (total, H, D) tensors
@@ -71,8 +77,7 @@ def _doc_forward(name, q, k, v, scale, docs):
                 lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
             if kind == "dense":
                 qs, ks, causal = item
-                f = fwd if isinstance(causal, bool) else _math_forward  # a window's band edge: explicit mask
-                o, l = f(q[bs, qs], k[bs, ks], v[bs, ks], causal, scale)
+                o, l = _piece_forward(name, q[bs, qs], k[bs, ks], v[bs, ks], causal, scale)
             else:  # one varlen launch over a diagonal run of documents
                 qs = slice(item[0][0].start, item[-1][0].stop)
                 nb = q[bs].shape[0]
@@ -88,6 +93,52 @@ def _doc_forward(name, q, k, v, scale, docs):
             from . import merge_attn_out
             merge_attn_out(out[bs, qs], lse[bs, :, qs], o, l)  # a row may get pieces of two runs
     return None if out is None else (out.to(q.dtype), lse)
+
+
+def _piece_forward(name, q, k, v, causal, scale):
+    """One dense piece: causal True/False on the backend, a ``Window`` in one windowed call or in tiles."""
+    if not isinstance(causal, Window):
+        return _FORWARD[name](q, k, v, causal, scale)
+    n, m = q.shape[1], k.shape[1]
+    if name in WINDOWED:
+        left, right = causal.kernel_window(n, m)
+        return WINDOWED[name][0](q, k, v, left, right, scale, lambda: _tiled_forward(name, q, k, v, causal, scale))
+    return _tiled_forward(name, q, k, v, causal, scale)
+
+
+def _tiled_forward(name, q, k, v, win, scale):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
+    from . import merge_attn_out
+    for qs, ks, c in win.tiles(q.shape[1], k.shape[1]):
+        f = _FORWARD[name] if isinstance(c, bool) else _math_forward  # a band edge: explicit mask
+        o, l = f(q[:, qs], k[:, ks], v[:, ks], c, scale)
+        merge_attn_out(out[:, qs], lse[:, :, qs], o, l)
+    return out.to(q.dtype), lse.to(torch.float32) if acc == torch.float32 else lse
+
+
+def _piece_backward(name, dout, q, k, v, out, lse, causal, scale):
+    if not isinstance(causal, Window):
+        return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
+    n, m = q.shape[1], k.shape[1]
+    if name in WINDOWED:
+        left, right = causal.kernel_window(n, m)
+        return WINDOWED[name][1](dout, q, k, v, out, lse, left, right, scale,
+                                 lambda: _tiled_backward(name, dout, q, k, v, out, lse, causal, scale))
+    return _tiled_backward(name, dout, q, k, v, out, lse, causal, scale)
+
+
+def _tiled_backward(name, dout, q, k, v, out, lse, win, scale):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
+    for qs, ks, c in win.tiles(q.shape[1], k.shape[1]):
+        b = _BACKWARD[name] if isinstance(c, bool) else _math_backward
+        g = b(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], c, scale)
+        grads[0][:, qs] += g[0]
+        grads[1][:, ks] += g[1]
+        grads[2][:, ks] += g[2]
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
 def _varlen_by_pieces(fwd, q, k, v, run, scale):
@@ -110,8 +161,8 @@ def _doc_backward(name, dout, q, k, v, out, lse, scale, docs):
                 grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
             if kind == "dense":
                 qs, ks, causal = item
-                b = bwd if isinstance(causal, bool) else _math_backward
-                g = b(dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs], lse[bs, :, qs], causal, scale)
+                g = _piece_backward(name, dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs],
+                                    lse[bs, :, qs], causal, scale)
             else:
                 qs = ks = slice(item[0][0].start, item[-1][0].stop)
                 nb, n = q[bs].shape[0], qs.stop - qs.start

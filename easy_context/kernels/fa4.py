@@ -136,3 +136,21 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, s
                                              cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
         return dq, dk, dv
     return _run("varlen backward", q, k, causal, call, fallback, (max_q, max_k))
+
+
+def window_forward(q, k, v, left, right, scale, fallback):
+    """A sliding-window piece in one call: key b kept for query a iff a + Lk - Lq - left <= b (and b <= a + Lk - Lq
+    + right unless right is None), flash-attention's bottom-right convention (packing.Window.kernel_window)."""
+    def call(mod):
+        out, lse, *_ = mod._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False, window_size_left=left,
+                                           window_size_right=right, return_lse=True)
+        return out, lse
+    return _run("window forward", q, k, False, call, fallback, (left, right))
+
+
+def window_backward(dout, q, k, v, out, lse, left, right, scale, fallback):
+    def call(mod):
+        dq, dk, dv, *_ = mod._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse.contiguous(), softmax_scale=scale,
+                                             causal=False, window_size_left=left, window_size_right=right)
+        return dq, dk, dv
+    return _run("window backward", q, k, False, call, fallback, (left, right))
