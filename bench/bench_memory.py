@@ -84,7 +84,8 @@ def configure(model, impl, L, args):
     cfg = configure_memory(model, args.checkpointing, offload_every_k=k,
                            tiled_mlp="auto" if args.tiles == "auto" else int(args.tiles),
                            selective=args.selective or some is not None, lean_norm=not args.no_lean_norm,
-                           selective_layers=some)
+                           selective_layers=some,
+                           keep_nested_attention=not getattr(args, "recompute_nested", False))
     if not args.no_fused_rope:
         apply_fused_ops(model, norms=False, rope=True)
     if impl == "probe":
@@ -334,6 +335,8 @@ def main():
     ap.add_argument("--selective", action="store_true", help="ours also keeps attention outputs (faster)")
     ap.add_argument("--selective-layers", type=int, default=None,
                     help="ours keeps the attention output of this many layers only (those recomputed most)")
+    ap.add_argument("--recompute-nested", action="store_true",
+                    help="inner layers of a nested group recompute attention twice (the pre-2026-12-04 behaviour)")
     ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean (fused) RMSNorm")
     ap.add_argument("--no-fused-rope", action="store_true", help="ours with HF's RoPE instead of the fused one")
     ap.add_argument("--budget-s", type=float, default=510.0, help="whole-run wall-clock budget (seconds)")

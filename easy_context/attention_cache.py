@@ -16,14 +16,20 @@ SUPPORTS_CACHE = "supports_attention_cache"  # attribute an attention function s
 
 
 class _LayerCache:
-    """Attention results of one checkpointed layer call, in call order."""
+    """Attention results of one checkpointed layer call, in call order.
 
-    __slots__ = ("entries", "pos", "runs")
+    ``keep_forward`` (selective layers): stored in the layer's forward, returned in every recomputation. Otherwise
+    (nested offload groups, memory/offload.py): the forward keeps nothing; a recomputation without autograd (the
+    group's rebuild of its inner layer inputs) stores, and the layer's own backward recomputation takes and drops
+    it, so a nested layer's attention runs twice (forward + one recompute) instead of three times."""
 
-    def __init__(self):
+    __slots__ = ("entries", "pos", "runs", "keep_forward")
+
+    def __init__(self, keep_forward: bool = True):
         self.entries: list = []
         self.pos = 0
         self.runs = 0
+        self.keep_forward = keep_forward
 
     def begin(self):
         self.runs += 1
@@ -44,6 +50,17 @@ class _LayerCache:
     def put(self, entry):
         self.entries.append(entry)
 
+    def action(self) -> str:
+        """What an attention call does now: "compute", "store" or "take" (see the class doc)."""
+        if self.keep_forward:
+            return "take" if self.replaying else "store"
+        if not self.replaying:
+            return "compute"
+        if self.pos < len(self.entries):
+            return "take_once"
+        import torch
+        return "compute" if torch.is_grad_enabled() else "store"
+
 
 def cached_attention(compute):
     """For attention Functions: ``out, lse = cached_attention(lambda: my_forward(...))``.
@@ -52,10 +69,15 @@ def cached_attention(compute):
     the result; in the layer's recomputation it returns the stored tensors without calling ``compute``.
     """
     cache = _ACTIVE.get()
-    if cache is None:
+    action = "compute" if cache is None else cache.action()
+    if action == "compute":
         return compute()
-    if cache.replaying:
-        return tuple(t.detach() for t in cache.take())
+    if action in ("take", "take_once"):
+        i = cache.pos
+        got = tuple(t.detach() for t in cache.take())
+        if action == "take_once":
+            cache.entries[i] = None  # the layer's last recomputation: free it with its backward's saved copy
+        return got
     res = tuple(compute())
     cache.put(tuple(t.detach() for t in res))  # aliases: no copy, and in-place edits trip autograd
     return res

@@ -261,6 +261,34 @@ def _sp_body(rank, world_size, plan):
             _run_configs(model, mode, mask, p, configs, rank, world_size, ref_loss, ref_grads)
             checked += len(configs)
     assert checked == sum(len(c) for _, c in plan) + len(plan[0][1]), checked
+    _check_nested_attention_runs(ref, rank, world_size)
+
+
+def _check_nested_attention_runs(ref, rank, world_size):
+    """Nested groups keep what their rebuild computed: each layer's attention runs twice per step (forward + one
+    recompute), not three times for a group's inner layers; the gradients stay those of plain checkpointing."""
+    from easy_context.zigzag_ring_attn import attention as zz
+    mode = "zigzag_ring_attn"
+    ids, pos, tgt = make_batch(1, 32, ref.config.vocab_size, labels_mask="random")
+    p = prepare_seq_parallel_inputs(mode, ids, pos, tgt, rank, world_size, torch.device("cpu"))
+    model = apply_seq_parallel_monkey_patch(mode, copy.deepcopy(ref))
+    real, calls = zz.zigzag_ring_forward, []
+    zz.zigzag_ring_forward = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+    got = {}
+    try:
+        for k, keep in ((2, False), (2, True), (3, False), (3, True)):
+            configure_memory(model, "nested", offload_every_k=k, keep_nested_attention=keep)
+            calls.clear()
+            got[k, keep] = _our_step(model, p["local_input_ids"], p["local_position_ids"], p["local_target_ids"])
+            got[k, keep] = (*got[k, keep], len(calls))
+    finally:
+        zz.zigzag_ring_forward = real
+    n = ref.config.num_hidden_layers  # 4: groups (0, 1), (2, 3) at k=2; (0, 1, 2), (3) at k=3
+    assert [got[k, keep][2] for k, keep in sorted(got)] == [2 * n + 2, 2 * n, 2 * n + 2, 2 * n], got
+    for (k, keep), (loss, grads, _) in got.items():
+        assert_close(loss, got[2, False][0], 1e-6, f"nested k={k} keep={keep} loss")
+        for name, g in grads.items():
+            assert_close(g, got[2, False][1][name], 1e-6, f"nested k={k} keep={keep} grad {name}")
 
 
 def _run_configs(model, mode, mask, p, configs, rank, world_size, ref_loss, ref_grads):

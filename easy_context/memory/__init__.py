@@ -33,6 +33,7 @@ class MemoryConfig:
     lean_norm: bool = False
     offload: CheckpointOffload | None = None
     selective_layers: tuple[int, ...] | None = None
+    keep_nested_attention: bool = False
 
 
 def _undo(model):
@@ -52,7 +53,8 @@ def _undo(model):
 
 def configure_memory(model, checkpointing: str = "layer", offload_every_k: int = 1,
                      tiled_mlp: bool | int | str = False, selective: bool = False,
-                     lean_norm: bool = False, selective_layers=None) -> MemoryConfig:
+                     lean_norm: bool = False, selective_layers=None,
+                     keep_nested_attention: bool = True) -> MemoryConfig:
     """Set the memory options of a transformers causal LM (call again to change them; idempotent).
 
     checkpointing: ``"none"``; ``"layer"`` (HF per-layer, non-reentrant); ``"selective"`` (keep attention
@@ -62,6 +64,9 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
     selective: also keep attention outputs over the chosen checkpointing (no attention recompute: faster,
       but +out/LSE per layer on the GPU); ``checkpointing="selective"`` is ``"layer"`` with this on.
     selective_layers: with selective, only these decoder layer indices keep their attention output (None = all).
+    keep_nested_attention: with ``offload_every_k > 1``, an inner layer of a nested group keeps the attention
+      output + LSE its group's rebuild computes until its own backward (transient: (k - 1) outputs per group at a
+      time), so its attention is recomputed once, not twice. Lean attentions (the modes' own) only.
     lean_norm: RMSNorms keep their input + fp32 inverse RMS, not fp32 upcasts, and run as one fused kernel
       each way on CUDA (easy_context.ops.rms_norm; Llama/Mistral/Qwen2/Qwen3 norms). Fused RoPE is
       ``easy_context.ops.apply_fused_ops``.
@@ -71,6 +76,8 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
     if int(offload_every_k) < 1:
         raise ValueError(f"offload_every_k must be >= 1, got {offload_every_k}")
+    if selective_layers is not None and not (checkpointing == "selective" or selective):
+        raise ValueError("selective_layers needs selective=True (or checkpointing='selective')")
     _undo(model)
     mgr = None
     if checkpointing == "none" and selective:
@@ -83,18 +90,18 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if checkpointing in ("offload", "nested"):
         mgr = enable_checkpoint_offload(model, offload=checkpointing == "offload", every_k=offload_every_k)
-    if checkpointing == "selective" or selective:
+    nested = keep_nested_attention and checkpointing in ("offload", "nested") and int(offload_every_k) > 1
+    if checkpointing == "selective" or selective or nested:
         # wraps whichever checkpoint function the layers now have (HF's, or our offload/nested one)
         from .selective import enable_selective_checkpointing
-        enable_selective_checkpointing(model, layers=selective_layers)
-    elif selective_layers is not None:
-        raise ValueError("selective_layers needs selective=True (or checkpointing='selective')")
+        chosen = selective_layers if (checkpointing == "selective" or selective) else []
+        enable_selective_checkpointing(model, layers=chosen, nested_others=nested)
     if tiled_mlp:
         apply_tiled_mlp(model, "auto" if tiled_mlp is True else tiled_mlp)
     if lean_norm:
         apply_lean_norms(model)
     return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, bool(selective), bool(lean_norm), mgr,
-                        None if selective_layers is None else tuple(int(i) for i in selective_layers))
+                        None if selective_layers is None else tuple(int(i) for i in selective_layers), nested)
 
 
 __all__ = ["configure_memory", "MemoryConfig", "CHECKPOINTING", "causal_lm_loss", "chunked_lm_loss",

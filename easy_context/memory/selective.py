@@ -88,7 +88,7 @@ class _Replay(torch.autograd.Function):
 
 def _generic_attention(fn, module, query, key, value, *args, **kwargs):
     cache = _ACTIVE.get()
-    if cache is None:
+    if cache is None or not cache.keep_forward:  # nested stashing is for lean attentions only (out + LSE)
         return fn(module, query, key, value, *args, **kwargs)
     if cache.replaying:
         graph = cache.take()
@@ -152,11 +152,12 @@ def _intercept(pymods):
 # ----------------------------------------------------------------------------------------------
 # the checkpoint function plugged into transformers
 # ----------------------------------------------------------------------------------------------
-def _selective_checkpoint(base, pymods):
-    """Wrap a layer's checkpoint function ``base(function, *args)`` (torch checkpoint, offload, ...)."""
+def _selective_checkpoint(base, pymods, keep_forward: bool = True):
+    """Wrap a layer's checkpoint function ``base(function, *args)`` (torch checkpoint, offload, ...).
+    ``keep_forward=False``: keep only what a nested rebuild computes, for the layer's backward (attention_cache)."""
 
     def checkpoint_layer(function, *args, **kwargs):
-        cache = _LayerCache()  # referenced by the checkpoint's recompute closure: freed with the graph
+        cache = _LayerCache(keep_forward)  # referenced by the checkpoint's recompute closure: freed with the graph
 
         def run(*a, **kw):
             cache.begin()
@@ -206,7 +207,8 @@ def is_selective(model) -> bool:
                for m in _layers(model))
 
 
-def enable_selective_checkpointing(model, checkpoint_kwargs: dict | None = None, layers=None):
+def enable_selective_checkpointing(model, checkpoint_kwargs: dict | None = None, layers=None,
+                                   nested_others: bool = False):
     """Checkpoint every decoder layer of ``model`` but keep each layer's attention output (and LSE).
 
     ``layers``: indices of the decoder layers that keep their attention output (None = all). The others stay
@@ -216,6 +218,8 @@ def enable_selective_checkpointing(model, checkpoint_kwargs: dict | None = None,
     If the model already checkpoints its layers (any kwargs, ``every_n_layers``, offload), those layers
     become selective with the same checkpoint function; otherwise per-layer non-reentrant checkpointing
     is switched on first (``checkpoint_kwargs`` go to ``torch.utils.checkpoint.checkpoint``). Idempotent.
+    ``nested_others``: the layers not chosen keep the attention output their nested offload group's rebuild computes
+    until their own backward (one attention recompute fewer per inner layer of a group; lean attentions only).
     Returns the model.
     """
     all_layers = _layers(model)
@@ -233,7 +237,9 @@ def enable_selective_checkpointing(model, checkpoint_kwargs: dict | None = None,
         if m.gradient_checkpointing:
             base = m._gradient_checkpointing_func
             base = getattr(base, "_easy_context_selective_base", base)
-            m._gradient_checkpointing_func = _selective_checkpoint(base, _modeling_modules(m)) if i in chosen else base
+            if i in chosen or nested_others:
+                base = _selective_checkpoint(base, _modeling_modules(m), keep_forward=i in chosen)
+            m._gradient_checkpointing_func = base
     return model
 
 
