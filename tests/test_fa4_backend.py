@@ -59,7 +59,11 @@ def _fake_module(fwd=None, bwd=None):
         mod.calls.append(("bwd", kw))
         if bwd:
             return bwd()
-        return kernels.attn_backward(dout, q, k, v, out, lse, kw["causal"], kw["softmax_scale"], backend="math")
+        got = kernels.attn_backward(dout, q, k, v, out, lse, kw["causal"], kw["softmax_scale"], backend="math")
+        for buf, g in zip((kw.get("dq"), kw.get("dk"), kw.get("dv")), got):
+            if buf is not None:  # FA4 writes into given (strided) outputs
+                buf.copy_(g)
+        return got
     mod._flash_attn_fwd, mod._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
     return mod
 
@@ -127,6 +131,28 @@ def test_forward_backward_through_fake_fa4_are_exact(fresh):
     assert mod.calls[1][1]["causal"] is True and mod.calls[1][1]["softmax_scale"] == 0.3
 
 
+def test_long_backward_runs_in_head_groups_writing_slices_in_place(fresh):
+    """Past the accumulator limit the heads go in groups (GQA: kv heads with their q heads): same result."""
+    mod = _fake_module()
+    _fake_installed(fresh, mod=mod)
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 16, 8, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    never = lambda *a: pytest.fail("fallback used")  # noqa: E731
+    out, lse = fa4.forward(q, k, v, True, 0.3, fallback=never)
+    whole = fa4.backward(do, q, k, v, out, lse, True, 0.3, fallback=never)
+    fresh.setenv(fa4.ACCUM_ENV, str(16 * 8 * 8 * 4 / 4 / 2**20))  # a quarter of this accumulator
+    assert fa4.head_groups(q, k) == 4
+    mod.calls.clear()
+    grouped = fa4.backward(do, q, k, v, out, lse, True, 0.3, fallback=never)
+    assert len(mod.calls) == 4 and all(c[1]["dq"].shape == (1, 16, 2, 8) for c in mod.calls)
+    for a, b, n in zip(grouped, whole, ("dq", "dk", "dv")):
+        assert_close(a, b, 1e-12, n)
+    fresh.setenv(fa4.ACCUM_ENV, "0")
+    assert fa4.head_groups(q, k) == 4  # at most as many groups as kv heads
+    assert fa4.head_groups(q, k[:, :, :3]) == 1  # 3 kv heads: no even split
+
+
 def test_failing_shape_falls_back_once_with_one_warning(fresh):
     def refuse(q, k, v, **kw):
         raise AssertionError("head_dim 96 not supported")
@@ -185,3 +211,20 @@ def test_fa4_varlen_matches_reference():
                 continue
             assert_close(a[sl].double().cpu(), b.grad[0], 2e-2, f"{name} doc {n}")
         s += n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fa4.usable(0), reason="needs flash-attn-4 (pip install -e .[fa4]) on a Hopper/Blackwell GPU")
+def test_fa4_backward_in_head_groups_matches_whole(monkeypatch):
+    """The real kernel writing head slices of dq/dk/dv in place (strided outputs) gives the one-call result."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, do = (torch.randn(1, 2048, 16, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 2048, 4, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fail = lambda *a: pytest.fail("fa4 fell back")  # noqa: E731
+    out, lse = fa4.forward(q, k, v, True, 0.09, fail)
+    whole = fa4.backward(do, q, k, v, out, lse, True, 0.09, fail)
+    monkeypatch.setenv(fa4.ACCUM_ENV, "1")
+    assert fa4.head_groups(q, k) == 4
+    grouped = fa4.backward(do, q, k, v, out, lse, True, 0.09, fail)
+    for a, b, n in zip(grouped, whole, ("dq", "dk", "dv")):
+        assert_close(a.double(), b.double(), 1e-2, n)

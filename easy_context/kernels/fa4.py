@@ -9,6 +9,7 @@ with ONE warning (per reason / per shape), never an error.
 
 Settings (environment, read once):
   EASY_CONTEXT_FA4          auto (default: use when importable, tested and on sm90/sm100) | 0 (off) | force
+  EASY_CONTEXT_FA4_BWD_ACCUM_MB  the backward's fp32 dq accumulator above which heads go in groups (default 256)
   EASY_CONTEXT_FA4_CACHE    directory of FA4's on-disk kernel cache (default ~/.cache/easy_context/fa4).
                             FA4 compiles each new shape (seconds per shape and direction); with the
                             cache, the ranks of a node and later runs load the compiled kernels instead
@@ -24,6 +25,7 @@ from functools import lru_cache
 TESTED = ("4.0.0b36", "4.1")  # [low, high): the range whose private entry points were checked on an H200
 ENV = "EASY_CONTEXT_FA4"
 CACHE_ENV = "EASY_CONTEXT_FA4_CACHE"
+ACCUM_ENV = "EASY_CONTEXT_FA4_BWD_ACCUM_MB"
 
 _warned: set[str] = set()
 _failed_shapes: set[tuple] = set()
@@ -110,11 +112,36 @@ def forward(q, k, v, causal, scale, fallback):
     return _run("forward", q, k, causal, call, lambda: fallback(q, k, v, causal, scale))
 
 
+def head_groups(q, k) -> int:
+    """In how many groups of kv heads (with their q heads) the backward runs. FA4 keeps an fp32 dq accumulator of
+    the whole call (16 KB/token at 32 x 128 heads, more than dq itself); above EASY_CONTEXT_FA4_BWD_ACCUM_MB
+    (default 256) the heads go in up to 8 groups, each writing its slice of dq/dk/dv in place, so the peak of a long
+    layer's backward holds 1/groups of it. Same arithmetic per head: exact."""
+    limit = float(os.environ.get(ACCUM_ENV, "256")) * 2**20
+    accum = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3]
+    g = 1
+    while accum / g > limit and g < 8 and k.shape[2] % (2 * g) == 0:
+        g *= 2
+    return g
+
+
 def backward(dout, q, k, v, out, lse, causal, scale, fallback):
     """(dq, dk, dv) with dk/dv in k's kv-head count (FA4 reduces GQA groups itself)."""
     def call(mod):
-        dq, dk, dv, *_ = mod._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse.contiguous(),
-                                             softmax_scale=scale, causal=causal)
+        groups = head_groups(q, k)
+        if groups == 1:
+            dq, dk, dv, *_ = mod._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse.contiguous(),
+                                                 softmax_scale=scale, causal=causal)
+            return dq, dk, dv
+        import torch
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        do = dout.contiguous()
+        hq, hk = q.shape[2] // groups, k.shape[2] // groups
+        for i in range(groups):
+            a, b = slice(i * hq, (i + 1) * hq), slice(i * hk, (i + 1) * hk)
+            mod._flash_attn_bwd(q[:, :, a], k[:, :, b], v[:, :, b], out[:, :, a], do[:, :, a],
+                                lse[:, a].contiguous(), softmax_scale=scale, causal=causal,
+                                dq=dq[:, :, a], dk=dk[:, :, b], dv=dv[:, :, b])
         return dq, dk, dv
     return _run("backward", q, k, causal, call, lambda: fallback(dout, q, k, v, out, lse, causal, scale))
 
