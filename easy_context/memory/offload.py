@@ -8,8 +8,10 @@ copied) that
 * runs the layer without autograd and copies its input to page-locked host chunks (``HostPool``, reused
   across steps and lengths) on a side CUDA stream: the copy overlaps the next layer's compute, and
   ``record_stream`` keeps the GPU block alive until it is done;
-* in backward, copies the input back and starts the copy for the previous checkpoint before recomputing
-  this layer (prefetch: the H2D copy overlaps the current layer's recompute + backward);
+* in backward, copies the input back, recomputes the layer and starts the copy for the previous checkpoint once
+  this layer's attention backward is done (the gradient of its first attention projection arrives): the H2D copy
+  overlaps the projections' backward, and the previous input is not on the GPU at the attention backward's peak
+  (8 KB/token at 7B); a layer without a recognisable projection prefetches when its backward ends;
 * with ``every_k > 1`` keeps (offloads) only every k-th layer input: when the last layer of a group of k
   runs backward, the group's inner inputs are recomputed from the kept one and held on the GPU until each
   layer's backward (nested checkpointing; one extra layer forward per layer, host memory / k). Use it when
@@ -188,9 +190,7 @@ class _Group:
         self.stash, self.fns, self.cache = stash, [], {}
 
     def _fetch(self) -> torch.Tensor:
-        x = self.stash.get()
-        self.stash.mgr.prefetch_before(self)  # overlap the previous group's H2D with this backward
-        return x
+        return self.stash.get()
 
     def input_for(self, j: int) -> torch.Tensor:
         if j == 0 and 0 not in self.cache:
@@ -207,10 +207,11 @@ class _Group:
 
 
 class _LayerCall:
-    """What one checkpointed layer call needs to be replayed: the function, RNG and autocast state."""
+    """What one checkpointed layer call needs to be replayed: the function, RNG and autocast state, and the
+    module whose output gradient marks the end of the layer's attention backward (``_first_projection``)."""
 
-    def __init__(self, fn, device):
-        self.fn = fn
+    def __init__(self, fn, device, marker=None):
+        self.fn, self.marker = fn, marker
         self.rng = _RngState(device)
         self.device_type = device.type
         self.autocast = _autocast_state(device.type)
@@ -238,12 +239,34 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     def backward(ctx, grad_out):
         group, j = ctx.group, ctx.j
         x = group.input_for(j)
-        with torch.enable_grad():
-            h = x.detach().requires_grad_(True)
-            out = ctx.call.replay(h)
+        mgr = group.stash.mgr
+        handle = None
+        if j == 0 and ctx.call.marker is not None:  # the group's last backward: bring the previous input back
+            def on_output(module, args, out):
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(lambda g: mgr.prefetch_before(group))
+            handle = ctx.call.marker.register_forward_hook(on_output)
+        try:
+            with torch.enable_grad():
+                h = x.detach().requires_grad_(True)
+                out = ctx.call.replay(h)
+        finally:
+            if handle is not None:
+                handle.remove()
         _drop_values(out)
         torch.autograd.backward(out, grad_out)
+        if j == 0:
+            mgr.prefetch_before(group)  # no-op if the hook already did
         return None, None, None, h.grad, None
+
+
+def _first_projection(layer):
+    """The first Linear of the layer's attention (q_proj, or a fused qkv): its output gradient is computed right after
+    the attention backward. None when the layer has no such module (then prefetch waits for the layer's end)."""
+    attn = getattr(layer, "self_attn", None) if layer is not None else None
+    if attn is None:
+        return None
+    return next((m for m in attn.modules() if isinstance(m, torch.nn.Linear)), None)
 
 
 def _drop_values(out: torch.Tensor) -> None:
@@ -287,9 +310,10 @@ class CheckpointOffload:
         self.pool.release()
 
     # -- the checkpoint function -------------------------------------------------------------------
-    def layer_function(self, layer_idx: int):
+    def layer_function(self, layer_idx: int, layer=None):
         """A ``_gradient_checkpointing_func`` for decoder layer ``layer_idx`` (0-based, forward order)."""
         mgr = self
+        marker = _first_projection(layer)
 
         def checkpoint_fn(function, *args, **kwargs):
             if not args or not isinstance(args[0], torch.Tensor):
@@ -310,7 +334,7 @@ class CheckpointOffload:
                 mgr._order.append(mgr._open)
                 j = 0
             group = mgr._open
-            call = _LayerCall(fn, hidden.device)
+            call = _LayerCall(fn, hidden.device, marker)
             group.fns.append(call)
             dummy = torch.empty(0, requires_grad=True)  # output needs grad even if hidden does not
             out = _OffloadedCheckpoint.apply(call, group, len(group.fns) - 1, hidden, dummy)
@@ -347,7 +371,7 @@ def enable_checkpoint_offload(model, offload: bool = True, every_k: int = 1,
         raise ValueError(f"{type(model).__name__} has no GradientCheckpointingLayer (transformers >= 4.52 "
                          "decoder layers); checkpoint offload hooks into them")
     for i, layer in enumerate(layers):
-        layer._gradient_checkpointing_func = mgr.layer_function(i)
+        layer._gradient_checkpointing_func = mgr.layer_function(i, layer)
         layer.gradient_checkpointing = True
     model._easy_context_offload = mgr
     return mgr
