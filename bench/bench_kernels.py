@@ -1,9 +1,13 @@
 """Attention kernels on one GPU: correctness of every facade backend vs float64, then TFLOP/s.
 
     python bench/bench_kernels.py [--lengths 8192 32768 131072] [--heads 32] [--head-dim 128]
+                                  [--window 4096 --window-length 131072]   # sliding-window section
 
 Causal, bf16, batch 1. Every backend of easy_context.kernels next to F.scaled_dot_product_attention
 (PyTorch's own dispatch) in the same run; TFLOP/s counts causal matmul FLOPs (fwd+bwd = 3.5 × fwd).
+Sliding window: the facade's document/window path (packing.Window pieces) with the window kernel (fa4's
+window_size) vs the tiled path kernels without one take (band edges on the math kernel) vs full causal attention,
+one document and a packed row; TFLOP/s of useful work (the (query, key) pairs the mask keeps).
 """
 from __future__ import annotations
 
@@ -90,23 +94,88 @@ def bench(lengths, heads, head_dim):
     return rows
 
 
+def _windowed_rows(L, w, heads, head_dim, packed):
+    """Fwd+bwd of one (L, L) block under a window w: window kernel, tiled fallback, and full causal attention."""
+    from easy_context import packing
+    from easy_context.kernels import documents
+    g = torch.Generator().manual_seed(0)
+    if packed:  # log-normal documents (median 3K tokens), the same row every run
+        lens, left = [], L
+        while left > 0:
+            n = min(left, max(1, int(torch.empty(1).log_normal_(8.0, 1.0, generator=g).item())))
+            lens.append(n)
+            left -= n
+        pos = torch.cat([torch.arange(n) for n in lens])[None]
+    else:
+        pos = torch.arange(L)[None]
+    docs = packing.documents(pos, window=w)
+    full = packing.documents(pos)
+    idx = torch.arange(L)
+    ids = docs.doc_ids[0]
+    i = torch.arange(L)
+    start = torch.zeros(L, dtype=torch.long)
+    start[1:] = (ids[1:] != ids[:-1]).long()
+    first = torch.cummax(torch.where(start.bool() | (i == 0), i, torch.zeros_like(i)), 0).values
+    window_pairs = float(torch.minimum(i - first + 1, torch.full_like(i, w)).sum())
+    causal_pairs = float((i - first + 1).sum())
+    q, k, v, do = (torch.randn(1, L, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    rows = []
+
+    def run(blk):
+        o, l = kernels.attn_forward(q, k, v, True, docs=blk)
+        kernels.attn_backward(do, q, k, v, o, l, True, docs=blk)
+
+    def dense():
+        o, l = kernels.attn_forward(q, k, v, True)
+        kernels.attn_backward(do, q, k, v, o, l, True)
+    saved = dict(documents.WINDOWED)
+    cases = [("window kernel", lambda: run(docs.block(idx, idx)))]
+    cases.append(("tiled (no window kernel)", lambda: run(docs.block(idx, idx))))
+    cases.append(("full causal" + (" (documents)" if packed else ""),
+                  (lambda: run(full.block(idx, idx))) if full is not None else dense))
+    base = None
+    for name, fn in cases:
+        if name.startswith("tiled"):
+            documents.WINDOWED.clear()
+        try:
+            ms = cuda_time_ms(fn, 1, 2)
+        finally:
+            documents.WINDOWED.update(saved)
+        base = base or ms
+        flops = 4.0 * heads * head_dim * (causal_pairs if name.startswith("full") else window_pairs) * 3.5
+        rows.append(dict(L=L, window=w, row="packed" if packed else "one document", path=name, ms=f"{ms:.1f}",
+                         useful_TFLOPs=f"{flops / ms / 1e9:.0f}", vs_window_kernel=f"{ms / base:.2f}x time"))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=0, help="also time a sliding window of this many keys")
+    ap.add_argument("--window-length", type=int, default=131072)
+    ap.add_argument("--skip-dense", action="store_true", help="only the sliding-window section")
     args = ap.parse_args()
     require_cuda()
     print(env_line())
-    corr = check_correctness()
-    print("\n## Correctness (bf16 vs float64 math, out/lse/dq/dk/dv, max relative error)\n")
-    print(table(corr, ["backend", "shape", "max_rel_err", "ok"]))
-    rows = bench(args.lengths, args.heads, args.head_dim)
-    print(f"\n## Causal attention, {args.heads} heads x {args.head_dim}, bf16, batch 1\n")
-    print(table(rows, ["L", "backend", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "vs_sdpa"]))
+    corr, rows, wrows = [], [], []
+    if not args.skip_dense:
+        corr = check_correctness()
+        print("\n## Correctness (bf16 vs float64 math, out/lse/dq/dk/dv, max relative error)\n")
+        print(table(corr, ["backend", "shape", "max_rel_err", "ok"]))
+        rows = bench(args.lengths, args.heads, args.head_dim)
+        print(f"\n## Causal attention, {args.heads} heads x {args.head_dim}, bf16, batch 1\n")
+        print(table(rows, ["L", "backend", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "vs_sdpa"]))
+    if args.window:
+        for packed in (False, True):
+            wrows += _windowed_rows(args.window_length, args.window, args.heads, args.head_dim, packed)
+        print(f"\n## Sliding window {args.window}, fwd+bwd, {args.heads} heads x {args.head_dim}, bf16, "
+              f"backend {kernels.choose_backend(torch.empty(1, 1, 1, args.head_dim, device='cuda', dtype=torch.bfloat16))}\n")
+        print(table(wrows, ["L", "window", "row", "path", "ms", "useful_TFLOPs", "vs_window_kernel"]))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_kernels.json"), "w") as f:
-            json.dump(dict(env=env_line(), correctness=corr, rows=rows), f, indent=1)
+            json.dump(dict(env=env_line(), correctness=corr, rows=rows, window=wrows), f, indent=1)
 
 
 if __name__ == "__main__":

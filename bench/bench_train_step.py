@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import cuda_time_ms, env_line, require_cuda, table  # noqa: E402
-from bench.llama7b import build_model, llama7b_config, model_flops_per_token, one_rank_group  # noqa: E402
+from bench.llama7b import (build_model, llama7b_config, mistral7b_config, model_flops_per_token,  # noqa: E402
+                           one_rank_group)
 
 PEAK = 989e12
 
@@ -197,6 +198,43 @@ def cpu_smoke():
     assert abs(lb - lo) < 1e-5 * abs(lb) and rel < 1e-5
 
 
+def mistral_window(args):
+    """Mistral-7B shape, ours (selective checkpointing, chunked loss, fused ops) with its sliding window vs the same
+    model with full causal attention (--no-sliding-window), same run."""
+    device = torch.device("cuda") if not args.tiny else torch.device("cpu")
+    if not args.tiny:
+        require_cuda()
+    one_rank_group()
+    model = build_model(mistral7b_config(args.mistral_window, args.tiny), device)
+    print(env_line() if not args.tiny else "cpu", f"| Mistral-7B shape, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B",
+          flush=True)
+    rows = []
+    for L in args.lengths:
+        pair = {}
+        for name, window in ((f"ours, window {args.mistral_window}", args.mistral_window), ("ours, full causal", None)):
+            model.config.sliding_window = window
+            if args.tiny:
+                configure(model, "ours-unfused", False)
+                step_fn(model, "ours", L, device)()
+                r = dict(impl=name, L=L, step_s="ran")
+            else:
+                r = measure(model, "ours", L, args.steps, device, warmup=args.warmup)
+                r["impl"] = name
+            pair[name] = r
+            rows.append(r)
+            print(r, flush=True)
+        a, b = pair.values()
+        if "_tok_s" in a and "_tok_s" in b:
+            a["vs_full"] = f"{a['_tok_s'] / b['_tok_s']:.2f}x"
+    print("\n## Mistral-7B shape, one GPU, fwd+bwd, batch 1: sliding window vs full attention\n")
+    print(table(rows, ["impl", "L", "step_s", "tok_s", "MFU", "peak_GiB", "vs_full"]))
+    print("(MFU counts full causal attention FLOPs for both rows: for the windowed row it is not useful work)")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_mistral_window.json"), "w") as f:
+            json.dump(dict(env=env_line(), rows=[{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
+                      f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
@@ -206,7 +244,11 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="tiny config (code-path smoke test)")
     ap.add_argument("--unfused", action="store_true", help="also run ours without the fused norm/RoPE")
     ap.add_argument("--compare-cudnn", action="store_true", help="also run ours with the attention forced to cuDNN")
+    ap.add_argument("--mistral-window", type=int, default=0,
+                    help="instead: a Mistral-7B-shape step (ours) with this sliding window vs full attention")
     args = ap.parse_args()
+    if args.mistral_window:
+        return mistral_window(args)
     if args.tiny and not torch.cuda.is_available():
         return cpu_smoke()
     require_cuda()

@@ -10,6 +10,9 @@
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
 #   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4
 #   bash bench/h200_fa4.sh lora      # bench_lora: LoRA vs full fine-tuning, 7B shape at 128K (peak memory, tok/s)
+#   bash bench/h200_fa4.sh window    # GPU tests of windows / fa4 head groups / offload, bench_kernels --window 4096 at
+#                                    # 128K, bench_memory ours at 64K and 128K (KB/token)
+#   bash bench/h200_fa4.sh mistral   # Mistral-7B-shape step at 128K: sliding window 4096 vs full attention
 #   bash bench/h200_fa4.sh m512-start    # one real 7B fwd+bwd at 512K, detached (setsid: it outlives the call,
 #   bash bench/h200_fa4.sh m512-wait N   #   ~10 min, over one call's limit); wait up to N s, copy its log to $OUT
 # install also installs .whl/ (deepspeed, datasets: bash ../shared/tools/device_wheels.sh ds) when carried.
@@ -48,6 +51,16 @@ case "${1:-}" in
   trainpy-b)
     python3 bench/bench_train_py.py --shape llama3.2-3b --seq-length 32768 --configs gpu --ga 1 4 --steps 3 \
       --work /tmp/trainpy 2>&1 | grep -v Warn | tee "$OUT/train_py_b.log" | tail -12 ;;
+  window)
+    python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_backend.py tests/test_packed.py tests/test_memory.py \
+      -k "gpu or window or cuda or fa4" 2>&1 | tail -4 || true
+    python3 bench/bench_kernels.py --skip-dense --window 4096 --window-length 131072 2>&1 | grep -v Warn \
+      | tee "$OUT/window_kernels.log" | tail -12
+    python3 bench/bench_memory.py --hf-lengths --ours-lengths 65536 131072 --off-lengths --opt-length 0 \
+      --probe-lengths 2>&1 | grep -v Warn | tee "$OUT/memory_64k_128k.log" | tail -16 ;;
+  mistral)
+    python3 bench/bench_train_step.py --mistral-window 4096 --lengths 131072 --steps 1 --warmup 1 2>&1 | grep -v Warn \
+      | tee "$OUT/mistral_window.log" | tail -8 ;;
   lora)
     python3 bench/bench_lora.py 2>&1 | grep -v Warn | tee "$OUT/lora.log" | tail -10 ;;
   m512-start)
@@ -63,5 +76,5 @@ case "${1:-}" in
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
     cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; cp /tmp/keep/bench_memory.json "$OUT/m512.json" 2>/dev/null || true
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
-  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|trainpy-a|trainpy-b|lora|m512-start|m512-wait N" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|trainpy-a|trainpy-b|window|mistral|lora|m512-start|m512-wait N" >&2; exit 2 ;;
 esac

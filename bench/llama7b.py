@@ -19,13 +19,24 @@ def llama7b_config(tiny: bool = False):
                        rope_theta=1e7)
 
 
+def mistral7b_config(window: int | None = 4096, tiny: bool = False):
+    """Mistral-7B v0.1 shape (GQA 32/8, MLP 14336, sliding window 4096)."""
+    from transformers import MistralConfig
+    if tiny:
+        return MistralConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, sliding_window=window and 16)
+    return MistralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1 << 21,
+                         rope_theta=1e7, sliding_window=window)
+
+
 def build_model(config, device, attn="sdpa"):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM._from_config(config, attn_implementation=attn)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     finally:
         torch.set_default_dtype(prev)
     model.config.use_cache = False
