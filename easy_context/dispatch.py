@@ -42,6 +42,7 @@ TOKEN_COST = 0.0         # the linear per-token part (MLP, projections): equal o
 MS_PER_ELEM = 0.097e-6
 PIECE_TIME = 2.3e6       # score elements per kernel piece (0.22 ms)
 STEP_TIME_PER_TOKEN = 620.0  # score elements per local token per ring step: the fixed ring (full-size passes)
+TOKEN_TIME = 140.0       # score elements per local token (0.22 ms per 16K): equal on every rank
 STEP_TIME = 1.0e6        # per dispatch step now that steps merge their pieces' rows only (into=): a guess, ~0.1 ms
 
 
