@@ -59,7 +59,7 @@ class DispatchPlan:
         # goes on into rows of dst after h: then dst needs h's rows of that document, from the later of the document's
         # start and (with a window) the window of dst's first row after h -- nothing else of h
         need = {}  # (dst, src) -> src-local (start, stop) row ranges dst needs, increasing
-        after = torch.cat([last + 1, torch.tensor([n])]).clamp(max=n)[:-1]
+        after = last + 1  # <= n: next_mine has an entry for n
         for dst in range(w):
             mine = torch.cat([torch.where(owner == dst, idx, n), torch.tensor([n])])
             next_mine = torch.cummin(mine.flip(0), 0).values.flip(0)       # dst's first row >= i (n: none)
