@@ -4,8 +4,8 @@ row as one causal stream, and the load balance across ranks (simulated ring on o
     python bench/bench_packed.py [--lengths 131072 524288] [--world 8] [--median 1500] [--sigma 1.5]
     python bench/bench_packed.py --count        # CPU: score elements per rank only (no kernels, no GPU)
     python bench/bench_packed.py --check        # CPU: the simulation's code path at a tiny size (smoke test)
-    python bench/bench_packed.py --per-rank 4 8 # also time the dispatch with 4 and 8 chunks per rank (default: the
-                                                # cost model's pick only)
+    python bench/bench_packed.py --per-rank 4 8 # also time the old solver's deals of 4 and 8 chunks per rank
+                                                # (always: the old solver's pick and the new default pick)
 
 Rows are filled with documents whose lengths are drawn from a log-normal distribution (median 1500 tokens,
 sigma 1.5: mean ~4.6K, a long tail of 30K+ documents; clipped to [16, L]; the last document is cut at the row
@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import cuda_time_ms, env_line, table  # noqa: E402
 from easy_context import kernels, packing  # noqa: E402
-from easy_context.dispatch import plan_dispatch, predict  # noqa: E402
+from easy_context import dispatch as dispatch_mod  # noqa: E402
+from easy_context.dispatch import plan_dispatch  # noqa: E402
 from easy_context.dispatch_ring import DispatchPlan  # noqa: E402
 from easy_context.sharding import pairs_shard, pairs_unshard, zigzag_pairs  # noqa: E402
 from easy_context.zigzag_ring_attn.attention import ring_steps  # noqa: E402
@@ -101,16 +102,38 @@ def dispatch_blocks(rank, plan):
 
 
 def dispatch_layout(lens, L, world, per_rank=None):
-    """(Dispatch, DispatchPlan) of the row of documents ``lens``."""
+    """(Dispatch, DispatchPlan) of the row of documents ``lens``. ``per_rank``: m equal chunks a rank (the old
+    solver), "old" = the old solver's pick (equal chunks), "new" or None = plan_dispatch's default pick."""
     pos = positions(lens)
-    d = plan_dispatch(pos, world, per_rank=per_rank)
+    if per_rank in ("new", None):
+        d = plan_dispatch(pos, world)
+    elif per_rank == "old":
+        d = plan_dispatch(pos, world, solver="chunks")
+    else:
+        d = plan_dispatch(pos, world, per_rank=per_rank, solver="chunks")
     docs = packing.documents(pos)
     docs.dispatch = d
     return d, DispatchPlan(docs, d)
 
 
 def _dispatch_name(d, world, m):
-    return f"dispatch {d.chunks} chunks, m={d.chunks // world}" + (" (pick)" if m is None else "")
+    if m in ("new", None):
+        return f"dispatch {d.chunks} chunks, new pick (<= {d.per_rank} a rank)"
+    return f"dispatch {d.chunks} chunks, m={d.per_rank}" + (" (old pick)" if m == "old" else "")
+
+
+def predicted_ms(work, pieces, steps, L, world, dispatch=False, before=False):
+    """Slowest-rank fwd+bwd ms of dispatch.py's fitted time model from exact per-rank counts. The ring layouts (and
+    ``before``: the dispatch as measured, whose steps each made full-size passes) pay STEP_TIME_PER_TOKEN per step;
+    the dispatch now pays one full-size pass (init + cast) and STEP_TIME per further step (a guess until measured)."""
+    D, n = dispatch_mod, L // world
+    out = []
+    for w, p, st in zip(work, pieces, steps):
+        t = w + D.PIECE_TIME * p + D.TOKEN_TIME * n
+        t += D.STEP_TIME_PER_TOKEN * n * (st if before or not dispatch else 1) + \
+            (D.STEP_TIME * (st - 1) if dispatch and not before else 0)
+        out.append(t * D.MS_PER_ELEM)
+    return max(out)
 
 
 def kv_mb(tokens_recv, heads, dim, dkv_tokens=None, dkv_bytes=2):
@@ -126,36 +149,51 @@ def ring_kv_mb(L, world, heads, dim):
     return kv_mb((world - 1) * n, heads, dim, world * n, dkv_bytes=4)
 
 
-def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=(None,), heads=32, dim=128):
+def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), heads=32, dim=128):
     """One row per (length, layout): plain zigzag and the k-pair layout the ring uses for packed rows (or the k
-    values of ``pairs``)."""
+    values of ``pairs``), then the dispatch deals of ``per_rank`` (see ``dispatch_layout``), with the fitted time
+    model's slowest-rank ms (``pred_ms``; ``pred_ms_before``: the dispatch as it was measured) and its ratio to the
+    default k-pair layout (``pred_vs_default``)."""
     rows = []
     for L in lengths_L:
         lens = doc_lengths(L, median, sigma)
         docs = packing.documents(positions(lens))
         dense = sum(score_elements(rank_blocks(r, world, L, None), L, world)[0] for r in range(world))
+        default = None
 
-        def row(layout, got, kv):
+        def row(layout, got, steps, kv, dispatch=False):
             work, pieces, launches = ([g[i] for g in got] for i in range(3))
+            ms = predicted_ms(work, pieces, steps, L, world, dispatch)
+            before = predicted_ms(work, pieces, steps, L, world, dispatch, before=True)
             return dict(L=L, W=world, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}",
                         max_doc=max(lens), work_vs_stream=f"{sum(work) / dense:.3f}",
                         max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
                         rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
-                        pieces_per_rank=f"{min(pieces)}..{max(pieces)}",
-                        fa4_launches=f"{min(launches)}..{max(launches)}", kv_MB=kv)
+                        pieces_per_rank=f"{min(pieces)}..{max(pieces)}", steps=f"{min(steps)}..{max(steps)}",
+                        fa4_launches=f"{min(launches)}..{max(launches)}", kv_MB=kv, pred_ms=f"{ms:.1f}",
+                        pred_ms_before=f"{before:.1f}", _ms=ms)
         for k in sorted(set(pairs or (1, zigzag_pairs(L, world)))):
-            got = [score_elements(rank_blocks(r, world, L, docs, k), L, world) for r in range(world)]
-            rows.append(row(f"{2 * world * k} chunks, k={k}", got, f"{ring_kv_mb(L, world, heads, dim):.0f}"))
+            blocks = [rank_blocks(r, world, L, docs, k) for r in range(world)]
+            got = [score_elements(b, L, world) for b in blocks]
+            steps = [sum(1 for b in bl if b[4].pieces()) for bl in blocks]
+            rows.append(row(f"{2 * world * k} chunks, k={k}", got, steps, f"{ring_kv_mb(L, world, heads, dim):.0f}"))
+            if k == zigzag_pairs(L, world):
+                default = rows[-1]["_ms"]
         seen = set()
         for m in per_rank:
             d, plan = dispatch_layout(lens, L, world, m)
-            if d.chunks in seen:
+            if d in seen:
                 continue
-            seen.add(d.chunks)
-            got = [score_elements([(slice(None), src, None, True, bd) for src, _, bd in dispatch_blocks(r, plan)],
-                                  L, world) for r in range(world)]
+            seen.add(d)
+            blocks = [dispatch_blocks(r, plan) for r in range(world)]
+            got = [score_elements([(slice(None), src, None, True, bd) for src, _, bd in b], L, world) for b in blocks]
             mb = [kv_mb(plan.received_tokens(r), heads, dim) for r in range(world)]
-            rows.append(row(_dispatch_name(d, world, m), got, f"{min(mb):.0f}..{max(mb):.0f}"))
+            rows.append(row(_dispatch_name(d, world, m), got, [len(b) for b in blocks],
+                            f"{min(mb):.0f}..{max(mb):.0f}", dispatch=True))
+        for r in rows[len(rows) - len(seen) - len(set(pairs or (1, zigzag_pairs(L, world)))):]:
+            r["pred_vs_default"] = f"{default / r['_ms']:.2f}x" if default else ""
+    for r in rows:
+        r.pop("_ms")
     return rows
 
 
@@ -242,22 +280,24 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
             kv = [(sh[1][s] if rows is None else sh[1][s][:, rows.to(device)],
                    sh[2][s] if rows is None else sh[2][s][:, rows.to(device)], bd) for s, rows, bd in blocks]
 
-            def fwd(r=r, kv=kv):
-                out = torch.zeros(1, n, heads, dim, device=device)
-                lse = torch.full((1, heads, n), -math.inf, device=device)
+            def fwd(r=r, kv=kv):  # as dispatch_forward: every step merges its pieces into the fp32 accumulators
+                acc = (torch.zeros(1, n, heads, dim, device=device),
+                       torch.full((1, heads, n), -math.inf, device=device))
                 for kk_, vv, bd in kv:
-                    res = kernels.attn_forward(sh[0][r], kk_, vv, True, docs=bd)
-                    if res is not None:
-                        kernels.merge_attn_out(out, lse, *res)
-                return out, lse
-            o, l = fwd()
-            ob = o.to(dt)
+                    kernels.attn_forward(sh[0][r], kk_, vv, True, docs=bd, into=acc)
+                return acc[0].to(dt), acc[1]
+            ob, l = fwd()
             outs.append(ob)
 
-            def work(r=r, kv=kv, ob=ob, l=l, fwd=fwd):
+            def work(r=r, kv=kv, ob=ob, l=l, fwd=fwd):  # as dispatch_backward (less the transfers)
                 fwd()
-                for kk_, vv, bd in kv:
-                    kernels.attn_backward(sh[3][r], sh[0][r], kk_, vv, ob, l, True, docs=bd)
+                dq = torch.zeros(1, n, heads, dim, device=device)
+                for i, (kk_, vv, bd) in enumerate(kv):
+                    gk, gv = (torch.zeros(t.shape, device=device) for t in (kk_, vv))
+                    kernels.attn_backward(sh[3][r], sh[0][r], kk_, vv, ob, l, True, docs=bd, into=(dq, gk, gv))
+                    if i:  # src's grads leave in k's dtype
+                        gk.to(dt), gv.to(dt)
+                return dq.to(dt)
             times.append(cuda_time_ms(work, 1, iters) if device == "cuda" else (work(), 1.0)[1])
             del kv
         got = d.unshard(outs, dim=1)
@@ -280,9 +320,9 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
     seen = set()
     for m in per_rank:
         d, plan = dispatch_layout(lens, L, world, m)
-        if d.chunks in seen:  # an explicit m equal to the cost model's pick: timed once
+        if d in seen:  # an explicit m equal to a pick: timed once
             continue
-        seen.add(d.chunks)
+        seen.add(d)
         d, t, err, launches, recv = run_dispatch(m, d, plan)
         mb = [kv_mb(x, heads, dim) for x in recv]
         rows.append(row(_dispatch_name(d, world, m), t, err, launches, f"{min(mb):.0f}..{max(mb):.0f}"))
@@ -310,17 +350,20 @@ def main():
     ap.add_argument("--check", action="store_true", help="CPU float32 run of the simulation's code path (errors only)")
     args = ap.parse_args()
     if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
-        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4), per_rank=(None, 8)):
+        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4), per_rank=("old", "new", 8)):
             print(r)
             assert float(r["err"]) < 1e-5, r
         return
-    per_rank = [None] + [m for m in (args.per_rank or []) if m is not None]
+    per_rank = ["old", "new"] + [m for m in (args.per_rank or []) if m is not None]
     counts = count_only(args.lengths, args.world, args.median, args.sigma, args.pairs, per_rank, args.heads,
                         args.head_dim)
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "
           f"sigma {args.sigma:g})\n")
-    print(table(counts, ["L", "W", "layout", "docs", "mean_doc", "max_doc", "work_vs_stream", "max_over_mean",
-                         "rank_Melems", "pieces_per_rank", "fa4_launches", "kv_MB"]))
+    print(table(counts, ["L", "W", "layout", "docs", "max_doc", "work_vs_stream", "max_over_mean", "rank_Melems",
+                         "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_ms_before",
+                         "pred_vs_default"]))
+    print("\npred_ms: dispatch.py's time model fitted to the H200 timings (FA4, fwd+bwd, 32 heads x 128) from exact "
+          "per-rank counts;\npred_ms_before: the same with the ring steps' full-size passes the measured code made")
     print("\n## Balance study: finer chunks, mirrored pairs vs greedy by cost (q-side work per rank)\n")
     print(table(balance_study(args.lengths, args.world, args.median, args.sigma),
                 ["L", "W", "chunks", "mirrored_max_over_mean", "greedy_max_over_mean"]))

@@ -5,7 +5,7 @@
 #   bash bench/h200_fa4.sh kernels   # GPU tests of the facade (fa4 incl. varlen), bench_kernels, JIT/cache, 512K ring sim
 #   bash bench/h200_fa4.sh step      # bench_train_step 16K..128K: ours(fa4) vs ours(cudnn) vs plain HF
 #   bash bench/h200_fa4.sh packed    # GPU tests of document masking (fa4 varlen) + bench_packed 128K/512K W=8
-#   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: cost-balanced dispatch (m = model's pick, 2, 4, 8) vs
+#   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: dispatch (old solver pick, new default pick, old m=2,4,8) vs
 #                                    # zigzag and the k-pair default, same rows/seed; default L = 131072 524288
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
 #   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4

@@ -30,10 +30,20 @@ DISPATCH_ATTR = "_easy_context_dispatch"
 LAYOUT_ENV = "EASY_CONTEXT_PACKED_LAYOUT"
 TILE = 128               # chunk lengths are multiples of this kernel tile when the row length allows it
 MAX_PER_RANK = 16        # chunks per rank tried by the cost model (more = better balance, more kernel calls)
-# Cost of one extra dense kernel piece (launch + LSE merge, fwd+bwd) in score elements: ~0.5 ms measured per piece
-# with FA4 on an H200 (sharding.py's k-pair sweep) at ~0.09 ms per million causal score elements (32 heads x 128).
+# The equal-chunk solver's (solver="chunks") cost of one extra dense kernel piece, in score elements: the first guess
+# of ~0.5 ms per piece with FA4 on an H200 (sharding.py's k-pair sweep) at ~0.09 ms per million score elements.
 PIECE_COST = 5.0e6
 TOKEN_COST = 0.0         # the linear per-token part (MLP, projections): equal on every rank, so it never moves the deal
+# The time model the default solver picks by (rank ms, fwd+bwd, 32 heads x 128, FA4 on an H200), least squares on
+# relative errors of the slowest and the mean rank of the 9 layouts bench_packed.py timed at 128K and 512K (W=8,
+# zigzag, k pairs, dispatch m=2/4/8; docs/packed_dispatch.md): 0.097 ms per million score elements (causal halved)
+# + 0.22 ms per kernel piece + 0.99 ms per ring step per 16K local tokens (the full-size out/lse/dq buffers, casts
+# and merges each step made then) + 0.22 ms per 16K tokens; slowest and mean within 5% on 8 of the 9 layouts.
+MS_PER_ELEM = 0.097e-6
+PIECE_TIME = 2.3e6       # score elements per kernel piece (0.22 ms)
+STEP_TIME_PER_TOKEN = 620.0  # score elements per local token per ring step: the fixed ring (full-size passes)
+TOKEN_TIME = 140.0       # score elements per local token (0.22 ms per 16K): equal on every rank
+STEP_TIME = 1.0e6        # per dispatch step now that steps merge their pieces' rows only (into=): a guess, ~0.1 ms
 
 
 class DispatchError(ValueError):
@@ -51,23 +61,36 @@ def packed_layout() -> str:
 
 @dataclass(frozen=True)
 class Dispatch:
-    """``owners[r]``: global chunk ids held by rank r, in local (increasing) order; C chunks of ``length / C``."""
+    """``owners[r]``: global chunk ids held by rank r, in local (increasing) order; chunk g is the rows
+    ``[cuts[g], cuts[g + 1])`` (``cuts=()``: C equal chunks). Every rank holds the same number of tokens."""
     length: int
     owners: tuple[tuple[int, ...], ...]
     fingerprint: str = ""  # of the global positions it was planned for ("" = any): checked by the attention
+    cuts: tuple[int, ...] = ()
     _rows: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         w = len(self.owners)
-        c = w and len(self.owners[0])
         flat = sorted(i for own in self.owners for i in own)
-        if w < 1 or c < 1 or any(len(o) != c for o in self.owners):
-            raise DispatchError(f"dispatch must give every one of its {w} ranks the same number of chunks; got "
-                                f"{[len(o) for o in self.owners]}")
-        if flat != list(range(w * c)):
-            raise DispatchError(f"dispatch must hold every chunk 0..{w * c - 1} exactly once; got {self.owners}")
-        if self.length % (w * c):
-            raise DispatchError(f"dispatch of {w * c} chunks cannot cut a row of {self.length} tokens evenly")
+        n = len(flat)
+        if w < 1 or any(not o for o in self.owners):
+            raise DispatchError(f"dispatch must give each of its {w} ranks at least one chunk; got {self.owners}")
+        if flat != list(range(n)):
+            raise DispatchError(f"dispatch must hold every chunk 0..{n - 1} exactly once; got {self.owners}")
+        cuts = tuple(int(c) for c in self.cuts)
+        if not cuts:
+            if self.length % n:
+                raise DispatchError(f"dispatch of {n} chunks cannot cut a row of {self.length} tokens evenly")
+            cuts = tuple(range(0, self.length + 1, self.length // n))
+        if len(cuts) != n + 1 or cuts[0] != 0 or cuts[-1] != self.length or \
+                any(a >= b for a, b in zip(cuts[:-1], cuts[1:])):
+            raise DispatchError(f"dispatch cuts must rise strictly from 0 to {self.length} in {n + 1} steps; got "
+                                f"{cuts[:8]}{'...' if len(cuts) > 8 else ''}")
+        object.__setattr__(self, "cuts", cuts)
+        sizes = [sum(cuts[g + 1] - cuts[g] for g in own) for own in self.owners]
+        if len(set(sizes)) != 1:
+            raise DispatchError(f"dispatch must give every one of its {w} ranks the same number of tokens; got "
+                                f"{sizes}")
         if any(list(o) != sorted(o) for o in self.owners) or 0 not in self.owners[0]:
             raise DispatchError("dispatch: each rank's chunks are in increasing order and rank 0 holds chunk 0")
 
@@ -77,18 +100,21 @@ class Dispatch:
 
     @property
     def chunks(self) -> int:
-        return self.world * len(self.owners[0])
+        return len(self.cuts) - 1
 
     @property
-    def chunk_len(self) -> int:
-        return self.length // self.chunks
+    def per_rank(self) -> int:
+        """Most chunks a rank holds (the equal-chunk solver's m)."""
+        return max(len(o) for o in self.owners)
+
+    def span(self, g: int) -> tuple[int, int]:
+        return self.cuts[g], self.cuts[g + 1]
 
     def rows(self, rank: int) -> torch.Tensor:
         """Global token indices of ``rank``'s local rows, in local order (cached; never modified)."""
         hit = self._rows.get(rank)
         if hit is None:
-            c = self.chunk_len
-            hit = self._rows[rank] = torch.cat([torch.arange(g * c, (g + 1) * c) for g in self.owners[rank]])
+            hit = self._rows[rank] = torch.cat([torch.arange(*self.span(g)) for g in self.owners[rank]])
         return hit
 
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
@@ -114,6 +140,8 @@ class Dispatch:
         for own in self.owners:
             for g in own:
                 h = (h * 1000003 + g + 1) % (1 << 62)
+        for c in self.cuts:
+            h = (h * 1000003 + c) % (1 << 62)
         return h or 1
 
 
@@ -245,11 +273,30 @@ def _stats(positions, window):
     return token_costs(positions, window), _doc_start(positions).min(0).values
 
 
+def estimate(positions: torch.Tensor, cuts, owners, window: int | None = None, stats=None):
+    """dispatch_segments.Estimate (work, pieces, steps per rank) of the deal ``(cuts, owners)`` of ``positions``."""
+    from .dispatch_segments import Estimate, segments
+    tok, start = stats if stats is not None else _stats(positions, window)
+    pos = positions.detach().to("cpu", torch.long).reshape(-1, positions.shape[-1])
+    restart = (pos == 0).any(0).long()
+    restart[0] = 0
+    restarts = torch.cat([torch.zeros(1, dtype=torch.long), restart.cumsum(0)]).numpy()
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), tok.cumsum(0)]).numpy()
+    return Estimate(segments(cuts, owners), prefix, restarts, start.numpy(), len(owners), window)
+
+
+SOLVERS = ("auto", "chunks", "segments")
+
+
 def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None,
-                  per_rank: int | None = None) -> Dispatch | None:
+                  per_rank: int | None = None, solver: str = "auto") -> Dispatch | None:
     """The dispatch of a batch whose global ``positions`` (B, L) are packed (None for rows without restarts, which
-    keep plain zigzag, or one rank). ``per_rank``: force the chunks per rank; default: the candidate with the lowest
-    predicted slowest-rank cost (work + PIECE_COST per kernel piece)."""
+    keep plain zigzag, or one rank). ``per_rank``: force the chunks per rank of the equal-chunk deal; default: the
+    candidate with the lowest predicted slowest-rank cost. ``solver``: "chunks" = equal chunks, m per rank (work +
+    PIECE_COST per piece); "segments" = those deals with their boundaries moved (dispatch_segments.py); "auto" (the
+    default) = whichever of all these the fitted time model (MS_PER_ELEM ...) predicts fastest."""
+    if solver not in SOLVERS:
+        raise ValueError(f"plan_dispatch(solver={solver!r}): must be one of {SOLVERS}")
     from .sharding import packed_rows
     if world <= 1 or not packed_rows(positions):
         return None
@@ -257,7 +304,7 @@ def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None
     if length % world:
         raise DispatchError(f"a packed row of {length} tokens cannot be dispatched over {world} ranks: make the length "
                             f"a multiple of {2 * world}")
-    return _plan(_key(positions), length, world, window, per_rank, positions)
+    return _plan(_key(positions), length, world, window, per_rank, positions, solver)
 
 
 def _key(positions: torch.Tensor) -> bytes:
@@ -278,15 +325,15 @@ def check_fingerprint(dispatch: "Dispatch", positions: torch.Tensor, what: str) 
                             "this batch")
 
 
-def _plan(key, length, world, window, per_rank, positions) -> Dispatch:
-    hit = _CACHE.get((key, world, window, per_rank))
+def _plan(key, length, world, window, per_rank, positions, solver="auto") -> Dispatch:
+    hit = _CACHE.get((key, world, window, per_rank, solver))
     if hit is not None:
         return hit
     stats = _stats(positions, window)
     if per_rank is not None:
         if length % (world * per_rank):
             raise DispatchError(f"a row of {length} tokens does not split into {world} x {per_rank} equal chunks")
-        best = predict(positions, world, per_rank, window, stats=stats)
+        tried = [predict(positions, world, per_rank, window, stats=stats)]
     else:
         # each finer cut is tried fresh and as a refinement of the coarser deal (chunks halved, then swapped only
         # where that lowers the slowest rank): the latter keeps neighbouring halves together (fewer kernel pieces)
@@ -298,12 +345,40 @@ def _plan(key, length, world, window, per_rank, positions) -> Dispatch:
                 here.append(predict(positions, world, m, window, owners=halves, stats=stats))
             prev = min(here, key=lambda p: max(p.cost))
             tried += here
-        best = min(tried, key=lambda p: (max(p.cost), p.per_rank))
-    out = Dispatch(length, best.owners, _hash(key))
+    best = min(tried, key=lambda p: (max(p.cost), p.per_rank))
+    cuts = ()
+    if solver != "chunks":
+        cuts, owners = _pick_segments(positions, length, world, window, tried, stats, solver)
+    else:
+        owners = best.owners
+    out = Dispatch(length, owners, _hash(key), cuts)
     if len(_CACHE) > 16:
         _CACHE.clear()
-    _CACHE[(key, world, window, per_rank)] = out
+    _CACHE[(key, world, window, per_rank, solver)] = out
     return out
+
+
+def _pick_segments(positions, length, world, window, tried, stats, solver):
+    """(cuts, owners) of the fastest predicted deal: every per-m best equal-chunk deal, with its boundaries moved by
+    dispatch_segments.refine and (solver="auto") as is."""
+    from .dispatch_segments import refine, segments, to_table
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), stats[0].cumsum(0)]).numpy()
+    tile = tile_of(length, world)
+    per_m = {}
+    for p in tried:  # the best equal-chunk deal of each m, by the time model
+        cuts = tuple(range(0, length + 1, length // (world * p.per_rank)))
+        t = max(estimate(positions, cuts, p.owners, window, stats).time(STEP_TIME))
+        if p.per_rank not in per_m or t < per_m[p.per_rank][0]:
+            per_m[p.per_rank] = (t, cuts, p.owners)
+    options = []
+    for m, (t, cuts, owners) in sorted(per_m.items()):
+        if solver == "auto":
+            options.append((t, m, 0, cuts, owners))
+        segs = refine(segments(cuts, owners), prefix, world, tile)
+        cuts2, owners2 = to_table(segs, world)
+        options.append((max(estimate(positions, cuts2, owners2, window, stats).time(STEP_TIME)), m, 1, cuts2, owners2))
+    best = min(options, key=lambda o: o[:3])
+    return best[3], best[4]
 
 
 def _hash(key: bytes) -> str:
@@ -333,7 +408,8 @@ def check_world(dispatch: Dispatch, world: int, length: int, what: str) -> None:
                             "prepare the inputs with the same mode and degrees as the patch")
 
 
-__all__ = ["Dispatch", "DispatchError", "DISPATCH_ATTR", "LAYOUT_ENV", "plan_dispatch", "predict", "solve", "resolve",
+__all__ = ["Dispatch", "DispatchError", "DISPATCH_ATTR", "LAYOUT_ENV", "plan_dispatch", "predict", "estimate", "solve",
+           "resolve", "SOLVERS",
            "token_costs", "packed_layout", "check_world", "candidates"]
 
 

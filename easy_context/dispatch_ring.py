@@ -1,15 +1,15 @@
 """Attention over a dispatched packed row (dispatch.py): every rank's q chunks against exactly the kv they need.
 
-Layout: rank r holds the chunks ``dispatch.owners[r]`` (m chunks of c tokens, increasing global order); q/out/dq
-``(B, m c, Hq, D)``, k/v/dk/dv ``(B, m c, Hkv, D)``, lse fp32 ``(B, Hq, m c)``. A rank computes every score of its
+Layout: rank r holds the chunks ``dispatch.owners[r]`` (increasing global order, n = L / W rows in all); q/out/dq
+``(B, n, Hq, D)``, k/v/dk/dv ``(B, n, Hkv, D)``, lse fp32 ``(B, Hq, n)``. A rank computes every score of its
 own queries (no helpers), so the dispatch's cost balance is the work balance.
 
 Steps s = 0..W-1 (the ring's shift pattern, but point to point): at step s rank r computes its q rows against the
 kv of ``src = (r - s) % W``, and only against the chunks of src that one of its queries attends to
-(``DispatchPlan.need``: kv chunk h is needed by q chunk g iff h < g and the last token of h and the first token of
-g lie in one document within the window -- documents are contiguous, so that pair decides). Those chunks travel
-directly src -> r; a step with nothing needed sends nothing and computes nothing. Step 0 (own kv) is the diagonal:
-it covers every q row, so it initialises the fp32 accumulators.
+(``DispatchPlan.need``: documents are contiguous, so of a kv chunk only the document of its last token can reach
+later q rows; r needs that document's rows of the chunk when r holds a later row of it, within the window). Those
+rows travel directly src -> r; a step with nothing needed sends nothing and computes nothing. Step 0 (own kv) is the
+diagonal: it covers every q row.
 
 Forward: step s+1's kv is posted (``p2p_exchange``) before step s is computed (overlap), one exchange in flight.
 Backward: the same kv exchange; the dk/dv a rank computes for src's chunks go straight back to src one step later
@@ -31,36 +31,58 @@ def _acc(x):
 
 
 class DispatchPlan:
-    """Who needs which chunks of whom (pure; shared by the attention, the benchmark and the tests)."""
+    """Who needs which rows of whom (pure; shared by the attention, the benchmark and the tests)."""
 
     def __init__(self, docs, dispatch):
         self.docs, self.dispatch = docs, dispatch
-        w, c = dispatch.world, dispatch.chunk_len
-        d = docs.doc_ids
-        win = docs.window
-        firsts = torch.arange(dispatch.chunks) * c
-        lasts = firsts + c - 1
-        same = (d[:, lasts][:, :, None] == d[:, firsts][:, None, :]).any(0)  # [h, g]: last of h, first of g
-        gap = firsts[None, :] - lasts[:, None]                             # first of g - last of h
-        ok = same & (gap > 0)
-        if win is not None:
-            ok &= gap < win
-        self.needs = ok  # [h, g]: kv chunk h is needed by q chunk g (h != g)
-        self.need = {}   # (dst, src) -> src's local slots dst needs, increasing
+        w, n = dispatch.world, dispatch.length
+        d = docs.doc_ids                                                    # (B, L)
+        idx = torch.arange(n)
+        cuts = torch.tensor(dispatch.cuts)
+        starts, stops = cuts[:-1], cuts[1:]
+        owner = torch.empty(n, dtype=torch.long)
+        for r, own in enumerate(dispatch.owners):
+            for g in own:
+                owner[slice(*dispatch.span(g))] = r
+        local_start = {}
+        for own in dispatch.owners:
+            at = 0
+            for g in own:
+                local_start[g] = at
+                at += dispatch.cuts[g + 1] - dispatch.cuts[g]
+        last = stops - 1
+        d = d.contiguous()
+        at_last = d[:, last].contiguous()                                   # (B, C): document of each chunk's last row
+        first = torch.stack([torch.searchsorted(row, x) for row, x in zip(d, at_last)])      # its first row
+        end = torch.stack([torch.searchsorted(row, x, right=True) for row, x in zip(d, at_last)])  # one past its last
+        # kv chunk h of src is needed by dst only through the document of its last token, and only if that document
+        # goes on into rows of dst after h: then dst needs h's rows of that document, from the later of the document's
+        # start and (with a window) the window of dst's first row after h -- nothing else of h
+        need = {}  # (dst, src) -> src-local (start, stop) row ranges dst needs, increasing
+        after = last + 1  # <= n: next_mine has an entry for n
         for dst in range(w):
-            for src in range(w):
-                if src == dst:
-                    continue
-                gs = list(dispatch.owners[dst])
-                self.need[dst, src] = tuple(j for j, h in enumerate(dispatch.owners[src]) if bool(ok[h, gs].any()))
+            mine = torch.cat([torch.where(owner == dst, idx, n), torch.tensor([n])])
+            next_mine = torch.cummin(mine.flip(0), 0).values.flip(0)       # dst's first row >= i (n: none)
+            i_min = next_mine[after].expand_as(first)                       # (B, C): dst's first row after h
+            ok = (i_min < end) & (owner[last] != dst)
+            lo = torch.maximum(first, starts.expand_as(first))
+            if docs.window is not None:
+                lo = torch.maximum(lo, i_min - docs.window + 1)
+                ok &= lo <= last
+            lo = torch.where(ok, lo, n).min(0).values                       # union over batch rows
+            for h in ok.any(0).nonzero().flatten().tolist():
+                src = int(owner[last[h]])
+                a, b = dispatch.span(h)
+                need.setdefault((dst, src), []).append((local_start[h] + int(lo[h]) - a, local_start[h] + b - a))
+        self.need = {(dst, src): tuple(need.get((dst, src), ())) for dst in range(w) for src in range(w) if src != dst}
         self._blocks, self._rows = {}, {}
 
     def local_rows(self, dst: int, src: int) -> torch.Tensor | None:
         """Rows of src's local tensors that dst needs (None: nothing; step 0 is handled by the caller)."""
         key = (dst, src)
         if key not in self._rows:
-            slots, c = self.need[key], self.dispatch.chunk_len
-            self._rows[key] = torch.cat([torch.arange(j * c, (j + 1) * c) for j in slots]) if slots else None
+            spans = self.need.get(key)
+            self._rows[key] = torch.cat([torch.arange(a, b) for a, b in spans]) if spans else None
         return self._rows[key]
 
     def block(self, rank: int, src: int):
@@ -72,10 +94,13 @@ class DispatchPlan:
             self._blocks[key] = self.docs.block(rows(rank), k_idx)
         return self._blocks[key]
 
+    def steps(self, rank: int) -> int:
+        """Ring steps ``rank`` computes (its own kv, and every src it needs rows of)."""
+        return 1 + sum(1 for (dst, _src), spans in self.need.items() if dst == rank and spans)
+
     def received_tokens(self, rank: int) -> int:
         """kv tokens ``rank`` receives in one forward (the backward receives them again, and sends back dk/dv)."""
-        w = self.dispatch.world
-        return sum(len(self.need[rank, src]) for src in range(w) if src != rank) * self.dispatch.chunk_len
+        return sum(b - a for (dst, _src), spans in self.need.items() if dst == rank for a, b in spans)
 
 
 def plan_of(docs, world: int) -> DispatchPlan:
@@ -110,23 +135,23 @@ def _wait(pending):
 
 
 def dispatch_forward(q, k, v, softmax_scale, group=None, backend=None, docs=None):
-    """(out in q's dtype, lse fp32 (B, Hq, m c)) of this rank's rows of a dispatched packed row."""
+    """(out in q's dtype, lse fp32 (B, Hq, n)) of this rank's rows of a dispatched packed row. Every step merges its
+    pieces straight into the fp32 accumulators (``into=``): a step costs its pieces' rows, not full-size passes."""
     rank, world = group_rank_world(group)
     plan = plan_of(docs, world)
     k, v = k.contiguous(), v.contiguous()
     pending = _post_kv(plan, rank, world, 1, k, v, group) if world > 1 else None
-    o0, l0 = kernels.attn_forward(q, k, v, True, softmax_scale, backend, docs=plan.block(rank, rank))
-    out, lse = o0.to(_acc(q)), l0.to(_acc(q)).contiguous()
+    acc = (torch.zeros(q.shape, dtype=_acc(q), device=q.device),
+           torch.full((q.shape[0], q.shape[2], q.shape[1]), -float("inf"), dtype=_acc(q), device=q.device))
+    kernels.attn_forward(q, k, v, True, softmax_scale, backend, docs=plan.block(rank, rank), into=acc)
     for s in range(1, world):
         bufs = _wait(pending)
         pending = _post_kv(plan, rank, world, s + 1, k, v, group) if s + 1 < world else None
         if bufs is None:
             continue  # nothing of src is needed here: no transfer, no kernel
-        res = kernels.attn_forward(q, bufs[0], bufs[1], True, softmax_scale, backend,
-                                   docs=plan.block(rank, (rank - s) % world))
-        if res is not None:
-            kernels.merge_attn_out(out, lse, *res)
-    return out.to(q.dtype), lse
+        kernels.attn_forward(q, bufs[0], bufs[1], True, softmax_scale, backend,
+                             docs=plan.block(rank, (rank - s) % world), into=acc)
+    return acc[0].to(q.dtype), acc[1]
 
 
 def dispatch_backward(dout, q, k, v, out, lse, softmax_scale, group=None, backend=None, docs=None):
@@ -136,8 +161,9 @@ def dispatch_backward(dout, q, k, v, out, lse, softmax_scale, group=None, backen
     k, v, dout = k.contiguous(), v.contiguous(), dout.contiguous()
     acc = _acc(q)
     pending = _post_kv(plan, rank, world, 1, k, v, group) if world > 1 else None
-    dq, dk, dv = (t.to(acc) for t in kernels.attn_backward(dout, q, k, v, out, lse, True, softmax_scale, backend,
-                                                         docs=plan.block(rank, rank)))
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+    kernels.attn_backward(dout, q, k, v, out, lse, True, softmax_scale, backend, docs=plan.block(rank, rank),
+                          into=(dq, dk, dv))
     back = None  # the dk/dv exchange of the previous step: (requests, (rows of mine, bufs), sends)
 
     def land(back):
@@ -155,13 +181,12 @@ def dispatch_backward(dout, q, k, v, out, lse, softmax_scale, group=None, backen
         src, dst = (rank - s) % world, (rank + s) % world
         sends = []
         if bufs is not None:
-            res = kernels.attn_backward(dout, q, bufs[0], bufs[1], out, lse, True, softmax_scale, backend,
-                                        docs=plan.block(rank, src))
-            if res is None:  # (a needed chunk always gives a piece; kept for safety: the owner expects grads)
-                res = (None, torch.zeros_like(bufs[0]), torch.zeros_like(bufs[1]))
-            if res[0] is not None:
-                dq += res[0]
-            sends = [(res[1].to(k.dtype).contiguous(), src), (res[2].to(v.dtype).contiguous(), src)]
+            # src's kv grads of this step, accumulated in fp32 then sent once in k's dtype (a needed row always has a
+            # piece; an untouched buffer would still be zeros, which its owner expects)
+            gk, gv = (torch.zeros(b.shape, dtype=acc, device=b.device) for b in bufs)
+            kernels.attn_backward(dout, q, bufs[0], bufs[1], out, lse, True, softmax_scale, backend,
+                                  docs=plan.block(rank, src), into=(dq, gk, gv))
+            sends = [(gk.to(k.dtype), src), (gv.to(v.dtype), src)]
         mine = plan.local_rows(dst, rank)  # dst computed grads of these rows of mine at this step
         recvs, got = [], None
         if mine is not None:

@@ -27,8 +27,12 @@ def _positions(lengths):
 def test_dispatch_validates_and_round_trips():
     with pytest.raises(DispatchError, match="exactly once"):
         Dispatch(16, ((0, 1), (1, 3)))
-    with pytest.raises(DispatchError, match="same number of chunks"):
+    with pytest.raises(DispatchError, match="same number of tokens"):
         Dispatch(16, ((0, 1, 2), (3,)))
+    with pytest.raises(DispatchError, match="rise strictly"):
+        Dispatch(16, ((0, 2), (1,)), cuts=(0, 4, 4, 16))
+    uneven = Dispatch(16, ((0, 2), (1,)), cuts=(0, 3, 11, 16))  # unequal chunks, 8 tokens a rank
+    assert uneven.rows(0).tolist() == [0, 1, 2, 11, 12, 13, 14, 15] and uneven.chunks == 3
     with pytest.raises(DispatchError, match="evenly"):
         Dispatch(15, ((0, 3), (1, 2)))
     with pytest.raises(DispatchError, match="rank 0 holds chunk 0"):
@@ -48,7 +52,7 @@ def test_plan_is_deterministic_balanced_and_only_for_packed_rows():
     pos = _positions([5, 1, 700, 1200, 90, 2100])
     d = plan_dispatch(pos, 4)
     assert d == plan_dispatch(pos.clone(), 4) and 0 in d.owners[0]
-    assert d.chunk_len % 128 == 0 and d.chunks % 4 == 0
+    assert all(c % 128 == 0 for c in d.cuts) and all(len(d.rows(r)) == 1024 for r in range(4))
     # the gathered (rank-order) positions are packed iff the global ones are (rank 0 holds chunk 0)
     assert packed_rows(torch.cat([d.shard(pos, r) for r in range(4)], 1))
     # the deal balances the q-side cost better than the k-pair / zigzag cut of the same chunks
@@ -121,10 +125,17 @@ def _ring_mask(docs, d):
 
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_dispatched_ring_covers_the_mask_once_and_sends_only_what_is_needed(window):
-    for world, lengths in ((2, [5, 1, 11, 7, 24, 16]), (4, [1, 60, 2, 1]), (4, [3] * 21 + [1]), (3, [13, 2, 30, 1, 50])):
+    cases = [(2, [5, 1, 11, 7, 24, 16], s) for s in ("chunks", "segments")] + \
+        [(4, [1, 60, 2, 1], "auto"), (4, [3] * 21 + [1], "auto"), (3, [13, 2, 30, 1, 50], "auto"),
+         (4, [200, 1, 3, 52], "segments"), (2, [64], "segments")]  # the last: a row that is one document
+    for world, lengths, solver in cases:
         n = sum(lengths)
         docs = packing.documents(_positions(lengths), window=window)
-        d = plan_dispatch(_positions(lengths), world, window=window)
+        d = plan_dispatch(_positions(lengths), world, window=window, solver=solver)
+        if d is None:  # one document: not dispatched; its cut still must be exact under a hand-made table
+            docs = packing.documents(_positions(lengths), window=window) or packing.Documents(
+                torch.zeros(1, n, dtype=torch.long), window)
+            d = Dispatch(n, ((0, 3), (1, 2)), cuts=(0, 24, 40, 56, 64))
         got, plan = _ring_mask(docs, d)
         dd = docs.doc_ids[0]
         i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
@@ -132,12 +143,28 @@ def test_dispatched_ring_covers_the_mask_once_and_sends_only_what_is_needed(wind
         if window is not None:
             want &= j > i - window
         assert int(got.max()) <= 1 and torch.equal(got.bool(), want), (world, lengths, window)
-        # sent chunks: exactly those with a kept (query, key) pair
-        c = d.chunk_len
-        for (dst, src), slots in plan.need.items():
-            for s, h in enumerate(d.owners[src]):
-                used = bool(want[d.rows(dst)][:, h * c:(h + 1) * c].any())
-                assert used == (s in slots), (dst, src, h)
+        # sent rows: exactly those with a kept (query, key) pair
+        for (dst, src), spans in plan.need.items():
+            sent = set() if not spans else set(d.rows(src)[plan.local_rows(dst, src)].tolist())
+            used = set(d.rows(src)[want[d.rows(dst)][:, d.rows(src)].any(0)].tolist())
+            assert sent == used, (dst, src, sorted(sent), sorted(used))
+
+
+def test_segment_solver_keeps_tokens_and_balances_a_long_document():
+    from easy_context.dispatch import estimate
+    pos = _positions([300, 2, 5000, 40, 1, 700, 1500, 649])  # 8192 tokens; one document holds most of the cost
+    old = plan_dispatch(pos, 4, solver="chunks")
+    new = plan_dispatch(pos, 4, solver="segments")
+    assert new != old and len(set(new.cuts[1:]) - set(old.cuts[1:])) > 0
+    assert all(c % 128 == 0 for c in new.cuts) and all(len(new.rows(r)) == 2048 for r in range(4))
+    e_old, e_new = estimate(pos, old.cuts, old.owners), estimate(pos, new.cuts, new.owners)
+    assert e_new.max_over_mean < e_old.max_over_mean and e_new.max_over_mean < 1.1, (e_old.max_over_mean,
+                                                                                    e_new.max_over_mean)
+    auto = plan_dispatch(pos, 4)
+    from easy_context.dispatch import STEP_TIME
+    assert max(estimate(pos, auto.cuts, auto.owners).time(STEP_TIME)) <= max(e_old.time(STEP_TIME))
+    with pytest.raises(ValueError, match="solver"):
+        plan_dispatch(pos, 4, solver="greedy")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +187,7 @@ def dispatch_body(rank, world_size):
                  ("usp_attn", usp.layout_kw, usp.attn_groups(), two)]
     for mode, layout_kw, groups, pos in cases:
         d = plan_dispatch(pos, world_size if mode != "usp_attn" else 2, per_rank=None)
-        assert d is not None and d.chunks >= 2 * d.world
+        assert d is not None and all(len(d.rows(r)) == n // d.world for r in range(d.world))
         check_model_equivalence(rank, world_size, mode, "llama", seq_len=n, batch=pos.shape[0],
                                 layout_kw=layout_kw, groups=groups, position_ids=pos, labels_mask="random")
     # sliding window (mistral) with packed rows, under the dispatch
@@ -182,11 +209,8 @@ def _bad_tables(rank, world_size, packings):
     local_pos = prep["local_position_ids"]
     if rank == 1:  # rank 1 brings another (valid) table
         d = getattr(local_pos, DISPATCH_ATTR)
-        other = Dispatch(d.length, (d.owners[0],) + tuple(reversed(d.owners[1:])))
-        assert other != d or world_size == 2
-        if world_size == 2:
-            other = Dispatch(d.length, tuple(tuple(range(r * len(d.owners[0]), (r + 1) * len(d.owners[0])))
-                                             for r in range(2)))
+        other = Dispatch(d.length, tuple((r,) for r in range(world_size)))  # contiguous halves / quarters
+        assert other != d
         local_pos = local_pos.clone()
         setattr(local_pos, DISPATCH_ATTR, other)
     with pytest.raises(DispatchError, match="different dispatch tables"):

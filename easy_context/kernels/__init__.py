@@ -43,35 +43,41 @@ from .reference import attention_reference
 
 
 def attn_forward(q, k, v, causal: bool = True, softmax_scale: float | None = None,
-                 backend: str | None = None, docs=None):
+                 backend: str | None = None, docs=None, into=None):
     """Attention of one block. Returns ``out`` (q's dtype, (B,Lq,Hq,D)) and ``lse`` (fp32, (B,Hq,Lq)).
 
     ``docs`` (a ``packing.BlockDocs``: the global indices of the block's q and kv rows and the packed
     documents) makes it document-masked: causal within each document by global index (``causal`` is then
     implied), computed as dense pieces; rows the mask leaves empty get out 0 and lse -inf, and a block the
-    mask removes entirely returns None (no kernel call)."""
+    mask removes entirely returns None (no kernel call). With ``docs``, ``into=(out, lse)`` (fp32 accumulators
+    of all q rows) merges the pieces straight into them and returns them: no block-sized buffer, cast or merge."""
     check_qkv(q, k, v, causal=causal and docs is None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     name = choose_backend(q, backend)
     fwd = _FORWARD[name]
     if docs is not None:
-        return _doc_forward(name, q, k, v, scale, docs)
+        return _doc_forward(name, q, k, v, scale, docs, into)
+    if into is not None:
+        raise ValueError("attn_forward(into=...) needs docs= (the pieces to merge)")
     return fwd(q, k, v, causal, scale)
 
 
 def attn_backward(dout, q, k, v, out, lse, causal: bool = True, softmax_scale: float | None = None,
-                  backend: str | None = None, docs=None):
+                  backend: str | None = None, docs=None, into=None):
     """Gradients of one block given the saved ``out``/``lse`` of the *whole* row (not of this block).
 
     Passing the final merged out/lse of a ring makes each block's dq/dk/dv exact contributions
-    (the softmax normaliser and rowsum(dO∘O) are those of the full row).
+    (the softmax normaliser and rowsum(dO∘O) are those of the full row). With ``docs``, ``into=(dq, dk, dv)``
+    (fp32 accumulators shaped like q, k, v) adds the pieces' gradients to them and returns them.
     """
     check_qkv(q, k, v, causal=causal and docs is None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     name = choose_backend(q, backend)
     bwd = _BACKWARD[name]
     if docs is not None:
-        return _doc_backward(name, dout, q, k, v, out, lse, scale, docs)
+        return _doc_backward(name, dout, q, k, v, out, lse, scale, docs, into)
+    if into is not None:
+        raise ValueError("attn_backward(into=...) needs docs= (the pieces to accumulate)")
     return bwd(dout, q, k, v, out, lse, causal, scale)
 
 

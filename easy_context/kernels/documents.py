@@ -66,11 +66,15 @@ def _cu(run, batch, device):
     return F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0)).to(device), int(lens.max())
 
 
-def _doc_forward(name, q, k, v, scale, docs):
+def _doc_forward(name, q, k, v, scale, docs, into=None):
+    """``into``: fp32 (out, lse) accumulators of all q rows to merge the pieces into (returned; None if no piece):
+    a step of a ring then costs only its pieces' rows, not a full-size buffer, cast and merge."""
     fwd = _FORWARD[name]
-    out = lse = None
+    out, lse = into if into is not None else (None, None)
+    hit = False
     for bs, pieces in _doc_rows(q, docs):
         for kind, item in _group(name, pieces):
+            hit = True
             if out is None:
                 acc = torch.float64 if q.dtype == torch.float64 else torch.float32
                 out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -92,6 +96,8 @@ def _doc_forward(name, q, k, v, scale, docs):
                 l = l.view(l.shape[0], nb, n).transpose(0, 1)
             from . import merge_attn_out
             merge_attn_out(out[bs, qs], lse[bs, :, qs], o, l)  # a row may get pieces of two runs
+    if into is not None:
+        return into if hit else None
     return None if out is None else (out.to(q.dtype), lse)
 
 
@@ -151,11 +157,14 @@ def _pack_varlen(o, l, nb):  # (B, n, H, D), (B, H, n) -> the varlen layout (B*n
     return o.reshape(-1, *o.shape[2:]), l.transpose(0, 1).reshape(l.shape[1], -1)
 
 
-def _doc_backward(name, dout, q, k, v, out, lse, scale, docs):
+def _doc_backward(name, dout, q, k, v, out, lse, scale, docs, into=None):
+    """``into``: fp32 (dq, dk, dv) accumulators to add the pieces' gradients to (returned; None if no piece)."""
     bwd = _BACKWARD[name]
-    grads = None
+    grads = list(into) if into is not None else None
+    hit = False
     for bs, pieces in _doc_rows(q, docs):
         for kind, item in _group(name, pieces):
+            hit = True
             if grads is None:
                 acc = torch.float64 if q.dtype == torch.float64 else torch.float32
                 grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
@@ -179,6 +188,8 @@ def _doc_backward(name, dout, q, k, v, out, lse, scale, docs):
             grads[0][bs, qs] += g[0]
             grads[1][bs, ks] += g[1]
             grads[2][bs, ks] += g[2]
+    if into is not None:
+        return into if hit else None
     return None if grads is None else tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 

@@ -3,7 +3,7 @@
 For one sampled row (seed 0) of the given document length distribution and the recommended candidate's ring size
 W: each layout's per-rank attention work (score elements of its q rows: keys attended per token, as the ring
 computes them) and kernel pieces, turned into fwd+bwd milliseconds with the GPU's measured attention throughput plus
-dispatch.PIECE_COST worth of work per piece. Layouts: plain zigzag, the fixed k-pair zigzag (issue #14) and the
+dispatch.PIECE_TIME worth of work per piece. Layouts: plain zigzag, the fixed k-pair zigzag (issue #14) and the
 cost-balanced dispatch (issue #28, the default for packed rows). A model, not a measurement:
 bench/bench_packed.py measures the same rows on a GPU.
 """
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ...dispatch import PIECE_COST, plan_dispatch, predict, token_costs
+from ...dispatch import PIECE_TIME, estimate, plan_dispatch, token_costs
 from ...sharding import pair_chunks, zigzag_pairs
 
 
@@ -41,8 +41,8 @@ def layouts(pos: torch.Tensor, world: int) -> list[tuple[str, list[float], list[
         out.append((f"zigzag {n} chunks (k={k})", [float(sum(c[i] for i in pair_chunks(r, world, k)))
                                                    for r in range(world)], None))
     d = plan_dispatch(pos, world)
-    p = predict(pos, world, d.chunks // world, owners=d.owners)
-    out.append((f"dispatch {d.chunks} chunks (m={d.chunks // world})", list(p.work), list(p.pieces)))
+    e = estimate(pos, d.cuts, d.owners)
+    out.append((f"dispatch {d.chunks} chunks (<= {d.per_rank} a rank)", list(e.work), list(e.pieces)))
     return out
 
 
@@ -58,7 +58,7 @@ def packed_report(length: int, world: int, heads: int, head_dim: int, tflops: fl
              "  layout                         max/mean  slowest rank ms  (incl. kernel pieces)"]
     for name, work, pieces in layouts(pos, world):
         mean = sum(work) / world
-        extra = "" if pieces is None else f"  ({ms(max(w + PIECE_COST * p for w, p in zip(work, pieces))):.1f})"
+        extra = "" if pieces is None else f"  ({ms(max(w + PIECE_TIME * p for w, p in zip(work, pieces))):.1f})"
         lines.append(f"  {name:<30} {max(work) / mean:8.3f}  {ms(max(work)):15.1f}{extra}")
     lines.append(f"  ideal (sum / W): {ms(sum(work) / world):.1f} ms")
     return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""Unequal chunks for the dispatch (issue #28): refine an equal-chunk deal by moving the boundaries between ranks.
+
+An equal-chunk deal (dispatch.solve) cannot balance a row whose cost sits in one long document: a chunk of its tail
+costs more than a rank's share allows. Here the deal is seen as segments (maximal runs of one rank's chunks) and the
+boundaries between them move, in tile steps, in cycles that keep every rank's token count: the most loaded rank a
+gives the d tokens at one of its segment edges to the neighbour x and takes d tokens back at another edge, from x
+(a 2-cycle) or from y where x hands d tokens to y at an x|y boundary (a 3-cycle). Expensive tokens (late in a long
+document) leave, cheap ones arrive; a move is kept when it lowers the largest load of the ranks it touches below
+a's. Segments only shrink, grow or vanish, so the deal never gets more pieces; the result is the same ``Dispatch``
+with ``cuts``. Deterministic (ties go to the first option in boundary order, then the smallest d).
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+
+def segments(cuts, owners) -> list[list[int]]:
+    """[start, stop, rank] runs of the deal (adjacent chunks of one rank merged), in row order."""
+    owner_of = {g: r for r, own in enumerate(owners) for g in own}
+    out: list[list[int]] = []
+    for g in range(len(cuts) - 1):
+        r = owner_of[g]
+        if out and out[-1][2] == r:
+            out[-1][1] = cuts[g + 1]
+        else:
+            out.append([cuts[g], cuts[g + 1], r])
+    return out
+
+
+def to_table(segs, world: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(cuts, owners) of segments, ranks relabelled so that rank 0 holds the first chunk (as Dispatch requires)."""
+    first = segs[0][2]
+    relabel = {r: r for r in range(world)}
+    relabel[first], relabel[0] = 0, first
+    cuts = (0,) + tuple(s[1] for s in segs)
+    owners = [[] for _ in range(world)]
+    for g, s in enumerate(segs):
+        owners[relabel[s[2]]].append(g)
+    return cuts, tuple(tuple(o) for o in owners)
+
+
+def _normalise(segs):
+    out = []
+    for s in segs:
+        if s[1] <= s[0]:
+            continue
+        if out and out[-1][2] == s[2]:
+            out[-1][1] = s[1]
+        else:
+            out.append(list(s))
+    return out
+
+
+def refine(segs, prefix: np.ndarray, world: int, tile: int, iters: int = 400) -> list[list[int]]:
+    """Lower the largest rank cost of ``segs`` by token-preserving boundary cycles. ``prefix``: (L + 1,) cumulative
+    token cost."""
+    segs = _normalise(segs)
+    load = np.zeros(world)
+    for s0, s1, r in segs:
+        load[r] += prefix[s1] - prefix[s0]
+    for _ in range(iters):
+        move = _best_move(segs, prefix, load, tile)
+        if move is None:
+            break
+        d, shifts = move
+        for b, sign in shifts:  # boundary b (between segs[b] and segs[b+1]) moves by sign * d
+            segs[b][1] += sign * d
+            segs[b + 1][0] += sign * d
+        segs = _normalise(segs)
+        load[:] = 0
+        for s0, s1, r in segs:
+            load[r] += prefix[s1] - prefix[s0]
+    return segs
+
+
+def _options(segs, prefix, tile, who, give: bool):
+    """Edge moves of rank ``who``: (boundary, sign, other rank, cost vector over d = tile * (1..K), cap in tiles).
+    give: ``who``'s edge tokens go to the neighbour; else the neighbour's edge tokens come to ``who``."""
+    out = []
+    for b in range(len(segs) - 1):
+        left, right = segs[b], segs[b + 1]
+        if who not in (left[2], right[2]):
+            continue
+        who_left = left[2] == who
+        other = right[2] if who_left else left[2]
+        # the boundary moves left (into the left segment) when the left segment's tokens are the ones that move
+        moving_left = who_left == give
+        p = left[1]
+        if moving_left:
+            cap = (left[1] - left[0]) // tile
+            d = tile * np.arange(1, cap + 1)
+            cost = prefix[p] - prefix[p - d]
+        else:
+            cap = (right[1] - right[0]) // tile
+            d = tile * np.arange(1, cap + 1)
+            cost = prefix[p + d] - prefix[p]
+        if cap:
+            out.append((b, -1 if moving_left else 1, other, cost, cap))
+    return out
+
+
+def _best_move(segs, prefix, load, tile):
+    a = int(np.argmax(load))
+    la = load[a]
+    gives = _options(segs, prefix, tile, a, True)
+    takes = _options(segs, prefix, tile, a, False)
+    best = (la * (1 - 1e-9), None)
+
+    def consider(obj, cap, shifts):
+        nonlocal best
+        obj = obj[:cap]
+        i = int(np.argmin(obj))
+        if obj[i] < best[0]:
+            best = (float(obj[i]), ((i + 1) * tile, shifts))
+
+    for bg, sg, x, g, cg in gives:  # 2-cycles: to x at one edge, back from x at another
+        for bt, st, x2, t, ct in takes:
+            if x2 != x or bt == bg:
+                continue
+            cap = min(cg, ct)
+            new_a = la - g[:cap] + t[:cap]
+            consider(np.maximum(new_a, load[x] + la - new_a), cap, ((bg, sg), (bt, st)))
+    if best[1] is None:  # 3-cycles: to x, x hands on to y, back from y
+        for bg, sg, x, g, cg in gives:
+            for bh, sh, y, h, ch in _options(segs, prefix, tile, x, True):
+                if y == a or bh == bg:
+                    continue
+                for bt, st, y2, t, ct in takes:
+                    if y2 != y or bt in (bg, bh):
+                        continue
+                    cap = min(cg, ch, ct)
+                    new_a = la - g[:cap] + t[:cap]
+                    obj = np.maximum(np.maximum(new_a, load[x] + g[:cap] - h[:cap]), load[y] + h[:cap] - t[:cap])
+                    consider(obj, cap, ((bg, sg), (bh, sh), (bt, st)))
+    return best[1]
+
+
+class Estimate:
+    """Per rank of a deal: work (score elements of its q rows), kernel pieces (a causal one per document piece on the
+    diagonal, a rectangle per (q segment, rank holding earlier rows of its first document)), ring steps (1 + the
+    ranks it needs kv from); ``time``: dispatch.py's fitted model in score elements (``step`` per extra step)."""
+
+    def __init__(self, segs, prefix, restarts, first, world, window=None):
+        self.work, self.pieces, self.steps = [0.0] * world, [0] * world, [1] * world
+        starts = [s[0] for s in segs]
+        srcs = [set() for _ in range(world)]
+        for s0, s1, r in segs:
+            self.work[r] += float(prefix[s1] - prefix[s0])
+            self.pieces[r] += 1 + int(restarts[s1] - restarts[s0 + 1])
+            lo = int(first[s0])
+            if window is not None:
+                lo = max(lo, s0 - window + 1)
+            if lo >= s0:
+                continue
+            j = bisect.bisect_right(starts, lo) - 1
+            held = {segs[i][2] for i in range(max(j, 0), len(segs)) if segs[i][0] < s0}
+            self.pieces[r] += len(held)
+            srcs[r] |= held - {r}
+        self.steps = [1 + len(x) for x in srcs]
+
+    def time(self, step: float) -> list[float]:
+        from .dispatch import PIECE_TIME
+        return [w + PIECE_TIME * p + step * (n - 1) for w, p, n in zip(self.work, self.pieces, self.steps)]
+
+    @property
+    def max_over_mean(self) -> float:
+        return max(self.work) / (sum(self.work) / len(self.work))
+
+
+__all__ = ["segments", "to_table", "refine", "Estimate"]
