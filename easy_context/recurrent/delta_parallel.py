@@ -146,7 +146,8 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     runs = {i: _piece(layer, local(i, mixed, 2), windows[i], local(i, b, 1), local(i, a, 1), resets(i))
             for i in mine}
     Bn, H, dk, dv = x.shape[0], layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
-    like = (torch.empty(Bn, H, dk, dv, device=x.device), torch.empty(Bn, H, dk, dk, device=x.device))
+    like = (torch.empty(Bn, H, dk, dv, dtype=torch.float32, device=x.device),
+            torch.empty(Bn, H, dk, dk, dtype=torch.float32, device=x.device))
     summary = publish(plan, like, {i: runs[i][2:] for i in mine})
     state, starts = torch.zeros_like(like[0]), []
     for i in range(len(pieces)):  # the state entering every piece, in sequence order

@@ -32,7 +32,8 @@ SERIAL_ENV = "EASY_CONTEXT_MAMBA2_SERIAL"
 
 def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     """The mixer's output for this rank's tokens (b, S_local, d), exact for the global sequence. None (the caller
-    then runs the serial chain) with ``EASY_CONTEXT_MAMBA2_SERIAL=1`` or ``EASY_CONTEXT_RECURRENT_SERIAL=1`` (comparisons) and under DeepSpeed ZeRO-3:
+    then runs the serial chain) with ``EASY_CONTEXT_MAMBA2_SERIAL=1`` or ``EASY_CONTEXT_RECURRENT_SERIAL=1``
+    (comparisons) and under DeepSpeed ZeRO-3:
     its partitioned parameters are gathered by per-module hooks that must run alike on every rank, and ranks may
     hold different numbers of pieces (the chain gathers the layer once: chain.py, zero3.py)."""
     if os.environ.get(SERIAL_ENV) == "1" or serial_requested(layer):
