@@ -80,19 +80,41 @@ def _cases(world_size, full):
              ("usp_attn", dict(layout_kw=usp.layout_kw, groups=usp.attn_groups(), sp_group=usp.sp_group))]
     if not full:
         return [(m, kw, f, f != "lfm2") for m, kw in modes for f in ("qwen3_next", "lfm2")] + \
-            [(modes[0][0], {}, "qwen3_5", True)]
+            [(modes[0][0], {}, "qwen3_5", True), (modes[3][0], modes[3][1], "lfm2", True)]
     fams = SUPPORTED if world_size == 2 else ("qwen3_next", "lfm2")
     return [(m, kw, f, packed) for m, kw in modes for f in fams for packed in (False, True)]
+
+
+def _count_parallel_runs():
+    """Count the layers the parallel paths (delta_parallel / conv_parallel) ran, in this process."""
+    from easy_context.recurrent import conv_parallel, delta_parallel
+    runs = {"n": 0}
+    for mod in (conv_parallel, delta_parallel):
+        def counted(*a, _run=mod.run_plan):
+            out = _run(*a)
+            runs["n"] += out is not None
+            return out
+        mod.run_plan = counted
+    return runs
 
 
 def _equivalence_body(rank, world_size, full):
     import os
 
     from easy_context.recurrent.chain import DROP_STATE_ENV
+    from easy_context.recurrent.exchange import SERIAL_ENV
     from tests.model_equiv import check_model_equivalence
+    runs = _count_parallel_runs()
     for mode, kw, family, packed in _cases(world_size, full):
         pos = _packed(2, 32, seed=3) if packed else None
         check_model_equivalence(rank, world_size, mode, family, position_ids=pos, **kw)
+    assert runs["n"] > 0, "the parallel recurrent paths never ran"
+    os.environ[SERIAL_ENV] = "1"  # the serial chain, still selectable
+    try:
+        for family in ("qwen3_next", "lfm2"):
+            check_model_equivalence(rank, world_size, "zigzag_ring_attn", family, position_ids=_packed(2, 32, 3))
+    finally:
+        os.environ.pop(SERIAL_ENV)
     if full and world_size == 2:  # packed rows in the balanced k-pair zigzag layout (many pieces per rank)
         from easy_context.sharding import PAIRS_ENV, zigzag_pairs
         os.environ[PAIRS_ENV] = "4"
@@ -103,17 +125,22 @@ def _equivalence_body(rank, world_size, full):
                                         position_ids=_packed(2, 64, seed=9))
         finally:
             os.environ.pop(PAIRS_ENV)
-    # the mutation: the states crossing ranks replaced by zeros -> the comparison must fail
+    # the mutation: what crosses ranks (states, conv windows) replaced by zeros -> the comparison must fail, both paths
     for family in ("qwen3_next", "lfm2"):
-        os.environ[DROP_STATE_ENV] = "1"
-        try:
-            check_model_equivalence(rank, world_size, "zigzag_ring_attn", family)
-        except AssertionError as e:
-            assert "relative error" in str(e), str(e)
-        else:
-            raise AssertionError(f"{family}: dropping the recurrent state exchange went unnoticed")
-        finally:
-            os.environ.pop(DROP_STATE_ENV)
+        for serial in (False, True):
+            os.environ[DROP_STATE_ENV] = "1"
+            if serial:
+                os.environ[SERIAL_ENV] = "1"
+            try:
+                check_model_equivalence(rank, world_size, "zigzag_ring_attn", family)
+            except AssertionError as e:
+                assert "relative error" in str(e), str(e)
+            else:
+                raise AssertionError(f"{family}: dropping the recurrent state exchange went unnoticed "
+                                     f"(serial={serial})")
+            finally:
+                os.environ.pop(DROP_STATE_ENV)
+                os.environ.pop(SERIAL_ENV, None)
 
 
 def test_hybrid_models_equal_one_process():

@@ -92,6 +92,15 @@ class HybridCacheAdapter:
     def run_chunk(self, layer, hidden_states, state, resets):
         return run_with_resets(self._run, self, layer, hidden_states, state, resets)
 
+    def run_plan(self, plan, layer, x):
+        """All of this rank's pieces at once, no serial chain (chain.run_layer calls it first): gated DeltaNet by
+        delta_parallel.py, a conv-only layer by conv_parallel.py; None -> the serial chain."""
+        if self.recurrent_shape is None:
+            from .conv_parallel import run_plan
+            return run_plan(self, plan, layer, x)
+        from .delta_parallel import run_plan
+        return run_plan(plan, layer, x)
+
 
 def delta_rule_state(layer) -> tuple[int, int, int]:
     """Gated DeltaNet's recurrent state per row: (value heads, key head dim, value head dim)."""

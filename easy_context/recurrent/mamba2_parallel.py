@@ -21,96 +21,22 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from .chain import DROP_STATE_ENV
+from .exchange import anchor, publish, serial_requested
 from .mamba2 import _gated_norm, _in_proj, causal_conv, segment_ids, ssd_scan
 
 
 SERIAL_ENV = "EASY_CONTEXT_MAMBA2_SERIAL"
 
 
-class _Publish(torch.autograd.Function):
-    """Every piece's tensors on every rank of the plan: forward sends this rank's pieces to the other owners;
-    backward sends the gradients of the others' pieces back to their owners and sums those of its own."""
-
-    @staticmethod
-    def forward(ctx, plan, like, *local):
-        # like: per piece index, the shapes/dtypes (tensors) of that piece's tuple; local: this rank's pieces' flat
-        me, k = plan.me, len(like)
-        mine = [i for i, p in enumerate(plan.pieces) if p.owner == me]
-        peers = sorted({p.owner for p in plan.pieces} - {me})
-        out = {i: tuple(t.clone() for t in local[j * k:(j + 1) * k]) for j, i in enumerate(mine)}
-        ops, bufs = [], {}
-        for r in peers:
-            for i in mine:
-                ops += [dist.P2POp(dist.isend, t.contiguous(), r) for t in out[i]]
-            for i, p in enumerate(plan.pieces):
-                if p.owner == r:
-                    bufs[i] = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like)
-                    ops += [dist.P2POp(dist.irecv, t, r) for t in bufs[i]]
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        if os.environ.get(DROP_STATE_ENV) == "1":  # the tests' mutation: what crosses ranks is lost
-            bufs = {i: tuple(torch.zeros_like(t) for t in v) for i, v in bufs.items()}
-        out.update(bufs)
-        ctx.plan, ctx.k, ctx.mine, ctx.peers = plan, k, mine, peers
-        return tuple(t for i in range(len(plan.pieces)) for t in out[i])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        plan, k, mine, peers = ctx.plan, ctx.k, ctx.mine, ctx.peers
-        ref = {i: grads[i * k:(i + 1) * k] for i in range(len(plan.pieces))}
-        ops, got = [], {}
-        for r in peers:
-            for i, p in enumerate(plan.pieces):
-                if p.owner == r:
-                    ops += [dist.P2POp(dist.isend, t.contiguous(), r) for t in ref[i]]
-            for i in mine:
-                got[(r, i)] = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in ref[i])
-                ops += [dist.P2POp(dist.irecv, t, r) for t in got[(r, i)]]
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        out = []
-        for i in mine:
-            total = [t.clone() for t in ref[i]]
-            for r in peers:
-                total = [a + b for a, b in zip(total, got[(r, i)])]
-            out += total
-        return (None, None, *out)
-
-
-class _Anchor(torch.autograd.Function):
-    """``out`` unchanged, with ``extra`` as inputs of zero gradient: every rank then runs the backward of every
-    exchange (a rank whose outputs do not use the others' pieces — the first piece's owner — must still send
-    back the gradients it owes), in the same order on every rank."""
-
-    @staticmethod
-    def forward(ctx, out, *extra):
-        ctx.extra = [(t.shape, t.dtype, t.device) for t in extra]
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, *[torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.extra])
-
-
-def _publish(plan, like, local: dict):
-    mine = [i for i, p in enumerate(plan.pieces) if p.owner == plan.me]
-    flat = _Publish.apply(plan, like, *[t for i in mine for t in local[i]])
-    k = len(like)
-    return {i: flat[i * k:(i + 1) * k] for i in range(len(plan.pieces))}
-
-
 def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     """The mixer's output for this rank's tokens (b, S_local, d), exact for the global sequence. None (the caller
-    then runs the serial chain) with ``EASY_CONTEXT_MAMBA2_SERIAL=1`` (comparisons) and under DeepSpeed ZeRO-3:
+    then runs the serial chain) with ``EASY_CONTEXT_MAMBA2_SERIAL=1`` or ``EASY_CONTEXT_RECURRENT_SERIAL=1``
+    (comparisons) and under DeepSpeed ZeRO-3:
     its partitioned parameters are gathered by per-module hooks that must run alike on every rank, and ranks may
     hold different numbers of pieces (the chain gathers the layer once: chain.py, zero3.py)."""
-    if os.environ.get(SERIAL_ENV) == "1" or any(hasattr(p, "ds_id") for p in layer.parameters()):
+    if os.environ.get(SERIAL_ENV) == "1" or serial_requested(layer):
         return None
     me, pieces = plan.me, plan.pieces
     mine = [i for i, p in enumerate(pieces) if p.owner == me]
@@ -135,7 +61,7 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
         tails[i] = (tail * keep.unsqueeze(-1).to(tail.dtype), passes)
     like = (torch.empty(b, K - 1, layer.conv_dim, dtype=parts[mine[0]][1].dtype, device=x.device),
             torch.empty(b, dtype=torch.float32, device=x.device))
-    tails = _publish(plan, like, tails)
+    tails = publish(plan, like, tails)
 
     outs, summary, local_out = {}, {}, {}
     A = -torch.exp(layer.A_log.float())
@@ -163,7 +89,7 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
         local_out[i] = (y0, C, reach, gate)
     like2 = (torch.empty(b, H, P, N, dtype=torch.float32, device=x.device),
              torch.empty(b, H, dtype=torch.float32, device=x.device))
-    summary = _publish(plan, like2, summary)
+    summary = publish(plan, like2, summary)
 
     state = torch.zeros(b, H, P, N, dtype=torch.float32, device=x.device)
     starts = []
@@ -176,8 +102,7 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
         y = y0 + torch.einsum("blhn,bhpn->blhp", C, starts[i]) * reach[..., None]
         outs[pieces[i].offset] = layer.out_proj(_gated_norm(layer, y.reshape(b, y.shape[1], -1), gate).to(dtype))
     out = torch.cat([outs[k] for k in sorted(outs)], dim=1)
-    published = [t for d in (tails, summary) for i in range(len(pieces)) for t in d[i] if t.requires_grad]
-    return _Anchor.apply(out, *published) if published and out.requires_grad else out
+    return anchor(out, plan, tails, summary)
 
 
 def _window(pieces, tails, i, K, like):
