@@ -74,8 +74,9 @@ class Window:
                 continue  # the whole piece lies before this tile's window
             full_lo, full_hi = max(lo, e - w), (min(hi, s) if self.causal else hi)
             q_sl = slice(s - self.d, e - self.d)
-            if lo < min(e - w, hi):  # keys only some rows of the tile see
-                out.append((q_sl, slice(lo, min(e - w, hi)), Band(s - w + 1 - lo)))
+            if lo < min(e - w, hi):  # keys only some rows of the tile see (rows past the last one's window: none)
+                q_end = min(e, min(e - w, hi) - 1 + w)
+                out.append((slice(s - self.d, q_end - self.d), slice(lo, min(e - w, hi)), Band(s - w + 1 - lo)))
             if full_lo < full_hi:
                 out.append((q_sl, slice(full_lo, full_hi), False))
             if self.causal:

@@ -126,7 +126,7 @@ def _math_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fallb
         o, l = kernels.attn_forward(q[s:e].unsqueeze(0), k[s:e].unsqueeze(0), v[s:e].unsqueeze(0), True, scale, "math")
         outs.append(o[0])
         lses.append(l[0])
-    _math_varlen_forward.calls += 1
+    _math_varlen_forward.calls = getattr(_math_varlen_forward, "calls", 0) + 1
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
@@ -183,41 +183,72 @@ def _fa_window_math_bwd(dout, q, k, v, out, lse, left, right, scale, fallback):
     return torch.autograd.grad(o, (qr, kr, vr), dout)
 
 
+def _masked_reference(q, k, v, do, keep, scale):
+    """float64 attention with an explicit (Lq, Lk) keep-mask, and its gradients (autograd)."""
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(g, dim=2).transpose(1, 2) for t in (kr, vr))
+    sc = (qr.transpose(1, 2) @ kk.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(sc, -1)
+    p = torch.where(keep.any(-1, keepdim=True), torch.softmax(sc.masked_fill(~keep.any(-1, keepdim=True), 0), -1),
+                    torch.zeros_like(sc))
+    out = (p @ vv).transpose(1, 2)
+    out.backward(do)
+    return out.detach(), lse.detach(), qr.grad, kr.grad, vr.grad
+
+
 @pytest.mark.parametrize("window", [3, 5, 16])
-def test_windowed_pieces_through_a_window_kernel(monkeypatch, window):
-    """A backend with a window kernel (fa4's convention, faked in float64) gives what the tiled path gives, for
-    every block a ring asks for: diagonal, kv before q (the band edge), zigzag pairs, packed and not."""
+def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, window):
+    """Every block a ring asks for (diagonal, kv before q, zigzag pairs; packed and not) equals float64 attention
+    with the explicit mask, through each window path: tiles with reversed band squares (one call each, and in one
+    varlen launch), and a window kernel in fa4's convention (EASY_CONTEXT_WINDOW_KERNEL=local)."""
+    from easy_context.kernels import documents as kd
     g = torch.Generator().manual_seed(3)
+    paths = {"tiles": {}, "tiles+varlen": {"varlen": True}, "local": {"local": True}}
+    seen_reversed = 0
     for lengths in ([40], [3, 1, 17, 2, 9, 8]):
         n = sum(lengths)
         q, do = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
         k, v = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
         docs = packing.documents(_positions(lengths), window=window)
-        halves = [torch.arange(0, 10), torch.arange(10, 20), torch.arange(20, 30), torch.arange(30, 40)]
-        blocks = [(torch.arange(n), torch.arange(n)), (halves[2], halves[0]), (halves[3], halves[1]),
-                  (torch.cat([halves[0], halves[3]]), torch.cat([halves[1], halves[2]]))]
+        d = docs.doc_ids[0]
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        want = (d[:, None] == d[None, :]) & (j <= i) & (j > i - window)
+        quarters = [torch.arange(0, 10), torch.arange(10, 20), torch.arange(20, 30), torch.arange(30, 40)]
+        blocks = [(torch.arange(n), torch.arange(n)), (quarters[2], quarters[0]), (quarters[3], quarters[1]),
+                  (torch.cat([quarters[0], quarters[3]]), torch.cat([quarters[1], quarters[2]]))]
         for q_idx, k_idx in blocks:
             blk = docs.block(q_idx, k_idx)
+            keep = want[q_idx][:, k_idx]
             if not blk.pieces():
+                assert not bool(keep.any())
                 continue
             qi, ki, vi, di = q[:, q_idx], k[:, k_idx], v[:, k_idx], do[:, q_idx]
-            ref = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
-            rg = kernels.attn_backward(di, qi, ki, vi, *ref, True, 0.3, "math", docs=blk)
-            monkeypatch.setitem(kernels.documents.WINDOWED, "math", (_fa_window_math, _fa_window_math_bwd))
-            got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
-            gg = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk)
-            monkeypatch.delitem(kernels.documents.WINDOWED, "math")
-            for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
-                seen = torch.isfinite(b)  # rows the block masks entirely: lse -inf in both
-                assert torch.equal(seen, torch.isfinite(a)), name
-                assert_close(a[seen], b[seen], 1e-12, f"window {window} {lengths} {name}")
-    assert any(isinstance(c, packing.Window) for _, _, c in docs.block(torch.arange(n), torch.arange(n)).pieces())
+            ref = _masked_reference(qi, ki, vi, di, keep, 0.3)
+            seen_reversed += sum(kind == "reversed" for kind, _ in kd._group("math", blk.pieces()))
+            for path, opt in paths.items():
+                with monkeypatch.context() as m:
+                    if opt.get("varlen"):
+                        m.setitem(kernels.VARLEN, "math", (_math_varlen_forward, _math_varlen_backward))
+                    if opt.get("local"):
+                        m.setitem(kd.WINDOWED, "math", (_fa_window_math, _fa_window_math_bwd))
+                        m.setenv(kd.WINDOW_ENV, "local")
+                    got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
+                    gg = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk)
+                for a, b, name in zip((*got, *gg), ref, ("out", "lse", "dq", "dk", "dv")):
+                    fin = torch.isfinite(b)  # rows the block masks entirely: lse -inf in both
+                    assert torch.equal(fin, torch.isfinite(a)), (path, name)
+                    assert_close(a[fin], b[fin], 1e-10, f"{path} window {window} {lengths} {name}")
+    assert seen_reversed > 0 or window >= 16  # the band squares took the reversed path
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True])
-def test_windowed_attention_on_gpu_matches_reference(packed):
-    """bf16 through the auto backend (fa4's window_size when installed) vs float64 math, diagonal and band blocks."""
+@pytest.mark.parametrize("kernel", ["tiles", "local"])
+def test_windowed_attention_on_gpu_matches_reference(packed, kernel, monkeypatch):
+    """bf16 through the auto backend (reversed band squares in fa4's varlen, or fa4's window_size) vs float64 math,
+    diagonal and band blocks."""
+    monkeypatch.setenv(kernels.documents.WINDOW_ENV, kernel)
     g = torch.Generator().manual_seed(11)
     lengths = [700, 3, 1300, 45] if packed else [2048]
     n, w = sum(lengths), 256

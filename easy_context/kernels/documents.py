@@ -1,13 +1,23 @@
 """Document-masked attention of one block (packed rows): dense pieces per document, and diagonal runs of many
-documents grouped into one varlen launch where the backend has a varlen kernel (``VARLEN``)."""
+documents grouped into one varlen launch where the backend has a varlen kernel (``VARLEN``).
+
+Sliding windows: a diagonal ``Window`` piece (a document longer than the window) is cut into q tiles of w rows
+(``Window.tiles``): each tile's causal diagonal joins the varlen run of the block's diagonal pieces, and each tile's
+band edge -- a square whose kept keys are b >= a, i.e. a causal square with q and kv reversed -- is reversed and
+run with the others as ONE more varlen causal launch (the flip trick). So a windowed block costs two fast causal
+launches whatever its length; measured faster on an H200 than FA4's own window_size (docs/memory.md).
+``EASY_CONTEXT_WINDOW_KERNEL=local`` uses the backend's window kernel (``WINDOWED``) for diagonals instead;
+off-diagonal windowed pieces (ring steps) always use it where it exists.
+"""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
-from ..packing import Window
+from ..packing import Band, Window
 from . import fa4
 from .backends import _BACKWARD, _FORWARD
 from .reference import _math_backward, _math_forward
@@ -30,11 +40,36 @@ WINDOWED = {"fa4": (fa4.window_forward, fa4.window_backward)}
 # -> (out, lse (H, total)); backward likewise.) Tests register a reference implementation here.
 VARLEN = {"fa4": (fa4.varlen_forward, fa4.varlen_backward)}
 VARLEN_MIN_DOCS = 4  # fewer documents in a run: per-document dense calls are as cheap
+WINDOW_ENV = "EASY_CONTEXT_WINDOW_KERNEL"
+
+
+def _reversed_causal(c, n, m) -> bool:
+    """A band edge that is a causal square once q and kv are reversed: keep b >= a, n == m."""
+    return isinstance(c, Band) and c.c == 0 and n == m
+
+
+def _expand(name, pieces):
+    """Diagonal ``Window`` pieces -> their tiles in block coordinates (see the module doc)."""
+    if not any(isinstance(p[2], Window) and p[2].causal for p in pieces):
+        return pieces
+    if os.environ.get(WINDOW_ENV, "tiles").lower() == "local" and name in WINDOWED:
+        return pieces
+    out = []
+    for qs, ks, c in pieces:
+        if not (isinstance(c, Window) and c.causal):
+            out.append((qs, ks, c))
+            continue
+        for tq, tk, tc in c.tiles(qs.stop - qs.start, ks.stop - ks.start):
+            out.append((slice(qs.start + tq.start, qs.start + tq.stop), slice(ks.start + tk.start, ks.start + tk.stop),
+                        tc))
+    return out
 
 
 def _group(name, pieces):
-    """Pieces -> items: ("dense", piece) or ("varlen", [causal diagonal pieces tiling one contiguous run])."""
-    items, run = [], []
+    """Pieces -> items: ("dense", piece), ("varlen", [causal diagonal pieces tiling one contiguous run]) or
+    ("reversed", [band-edge squares]) -- all of a block's reversed squares in one launch, last."""
+    items, run, rev = [], [], []
+    pieces = _expand(name, pieces)
 
     def flush():
         if len(run) >= VARLEN_MIN_DOCS and name in VARLEN:
@@ -44,6 +79,9 @@ def _group(name, pieces):
         run.clear()
     for p in pieces:
         qs, ks, causal = p
+        if _reversed_causal(causal, qs.stop - qs.start, ks.stop - ks.start):
+            rev.append(p)
+            continue
         if causal is True and qs == ks and (not run or run[-1][0].stop == qs.start):
             run.append(p)
             continue
@@ -53,7 +91,78 @@ def _group(name, pieces):
         else:
             items.append(("dense", p))
     flush()
+    if rev:
+        items.append(("reversed", rev))
     return items
+
+
+def _gather_reversed(x, bs, sl_list):
+    """(B, L, H, D) rows of each slice, reversed, one after another -> (B, n_total, H, D)."""
+    return torch.cat([x[bs, sl].flip(1) for sl in sl_list], dim=1)
+
+
+def _reversed_forward(name, q, k, v, scale, bs, rev):
+    """out / lse of band-edge squares: causal attention on reversed rows, one varlen launch (or one call each)."""
+    fwd = _FORWARD[name]
+    qs, ks = [p[0] for p in rev], [p[1] for p in rev]
+    qf, kf, vf = _gather_reversed(q, bs, qs), _gather_reversed(k, bs, ks), _gather_reversed(v, bs, ks)
+    nb = qf.shape[0]
+    if name in VARLEN and len(rev) > 1:
+        cu, mx = _cu([(s, s, True) for s in qs], nb, q.device)
+        o, l = VARLEN[name][0](qf.reshape(-1, *qf.shape[2:]), kf.reshape(-1, *kf.shape[2:]),
+                               vf.reshape(-1, *vf.shape[2:]), cu, cu, mx, mx, True, scale,
+                               lambda: _pack_varlen(*_per_square(fwd, qf, kf, vf, qs, scale), nb))
+        o, l = o.view(nb, -1, *o.shape[1:]), l.view(l.shape[0], nb, -1).transpose(0, 1)
+    else:
+        o, l = _per_square(fwd, qf, kf, vf, qs, scale)
+    at = 0
+    for sl in qs:
+        n = sl.stop - sl.start
+        yield sl, o[:, at:at + n].flip(1), l[:, :, at:at + n].flip(2)
+        at += n
+
+
+def _per_square(fwd, qf, kf, vf, qs, scale):
+    outs, lses, at = [], [], 0
+    for sl in qs:
+        n = sl.stop - sl.start
+        o, l = fwd(qf[:, at:at + n], kf[:, at:at + n], vf[:, at:at + n], True, scale)
+        outs.append(o)
+        lses.append(l)
+        at += n
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def _reversed_backward(name, dout, q, k, v, out, lse, scale, bs, rev):
+    """(q slice, kv slice, dq, dk, dv) of each band-edge square, from one reversed varlen backward."""
+    bwd = _BACKWARD[name]
+    qs, ks = [p[0] for p in rev], [p[1] for p in rev]
+    qf, df, of = (_gather_reversed(x, bs, qs) for x in (q, dout, out))
+    kf, vf = _gather_reversed(k, bs, ks), _gather_reversed(v, bs, ks)
+    lf = torch.cat([lse[bs, :, sl].flip(2) for sl in qs], dim=2)
+    nb = qf.shape[0]
+
+    def per_square():
+        parts, at = [], 0
+        for sl in qs:
+            n, a = sl.stop - sl.start, slice(at, at + sl.stop - sl.start)
+            parts.append(bwd(df[:, a], qf[:, a], kf[:, a], vf[:, a], of[:, a], lf[:, :, a], True, scale))
+            at += n
+        return tuple(torch.cat(x, dim=1) for x in zip(*parts))
+    if name in VARLEN and len(rev) > 1:
+        cu, mx = _cu([(s, s, True) for s in qs], nb, q.device)
+        flat = [x.reshape(-1, *x.shape[2:]) for x in (df, qf, kf, vf, of)]
+        l_flat = lf.transpose(0, 1).reshape(lf.shape[1], -1).contiguous()
+        g = VARLEN[name][1](*flat, l_flat, cu, cu, mx, mx, True, scale,
+                            lambda: tuple(x.reshape(-1, *x.shape[2:]) for x in per_square()))
+        g = [x.view(nb, -1, *x.shape[1:]) for x in g]
+    else:
+        g = per_square()
+    at = 0
+    for sq, sk in zip(qs, ks):
+        n = sq.stop - sq.start
+        yield sq, sk, g[0][:, at:at + n].flip(1), g[1][:, at:at + n].flip(1), g[2][:, at:at + n].flip(1)
+        at += n
 
 
 def _flat(x, bs, span):  # (B, L, H, D) rows of a run -> (B * n, H, D) for a varlen kernel
@@ -79,6 +188,11 @@ def _doc_forward(name, q, k, v, scale, docs, into=None):
                 acc = torch.float64 if q.dtype == torch.float64 else torch.float32
                 out = torch.zeros(q.shape, dtype=acc, device=q.device)
                 lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
+            if kind == "reversed":
+                from . import merge_attn_out
+                for qs, o, l in _reversed_forward(name, q, k, v, scale, bs, item):
+                    merge_attn_out(out[bs, qs], lse[bs, :, qs], o, l)
+                continue
             if kind == "dense":
                 qs, ks, causal = item
                 o, l = _piece_forward(name, q[bs, qs], k[bs, ks], v[bs, ks], causal, scale)
@@ -118,8 +232,12 @@ def _tiled_forward(name, q, k, v, win, scale):
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
     from . import merge_attn_out
     for qs, ks, c in win.tiles(q.shape[1], k.shape[1]):
-        f = _FORWARD[name] if isinstance(c, bool) else _math_forward  # a band edge: explicit mask
-        o, l = f(q[:, qs], k[:, ks], v[:, ks], c, scale)
+        if _reversed_causal(c, qs.stop - qs.start, ks.stop - ks.start):
+            o, l = _FORWARD[name](q[:, qs].flip(1), k[:, ks].flip(1), v[:, ks].flip(1), True, scale)
+            o, l = o.flip(1), l.flip(2)
+        else:
+            f = _FORWARD[name] if isinstance(c, bool) else _math_forward  # other band edges: explicit mask
+            o, l = f(q[:, qs], k[:, ks], v[:, ks], c, scale)
         merge_attn_out(out[:, qs], lse[:, :, qs], o, l)
     return out.to(q.dtype), lse.to(torch.float32) if acc == torch.float32 else lse
 
@@ -139,8 +257,13 @@ def _tiled_backward(name, dout, q, k, v, out, lse, win, scale):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
     for qs, ks, c in win.tiles(q.shape[1], k.shape[1]):
-        b = _BACKWARD[name] if isinstance(c, bool) else _math_backward
-        g = b(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], c, scale)
+        if _reversed_causal(c, qs.stop - qs.start, ks.stop - ks.start):
+            g = _BACKWARD[name](*(x.flip(1) for x in (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs])),
+                                lse[:, :, qs].flip(2), True, scale)
+            g = [x.flip(1) for x in g]
+        else:
+            b = _BACKWARD[name] if isinstance(c, bool) else _math_backward
+            g = b(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], c, scale)
         grads[0][:, qs] += g[0]
         grads[1][:, ks] += g[1]
         grads[2][:, ks] += g[2]
@@ -168,6 +291,12 @@ def _doc_backward(name, dout, q, k, v, out, lse, scale, docs, into=None):
             if grads is None:
                 acc = torch.float64 if q.dtype == torch.float64 else torch.float32
                 grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
+            if kind == "reversed":
+                for qs, ks, dq, dk, dv in _reversed_backward(name, dout, q, k, v, out, lse, scale, bs, item):
+                    grads[0][bs, qs] += dq
+                    grads[1][bs, ks] += dk
+                    grads[2][bs, ks] += dv
+                continue
             if kind == "dense":
                 qs, ks, causal = item
                 g = _piece_backward(name, dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs],
