@@ -32,6 +32,8 @@ OURS = dict(mode="zigzag_ring_attn", sp=1, checkpointing="selective", chunked_lo
 OURS_CUDNN = {**OURS, "kernel": "cudnn"}
 OFF = dict(mode="zigzag_ring_attn", sp=1, checkpointing="offload", chunked_loss=True, tiled_mlp=True, zero="bare",
            kernel="cudnn")
+OFF4 = {**OFF, "kernel": "fa4"}
+MEM4 = "docs/memory.md Memory 2026-12-04 (bench_memory.py, fa4, head-grouped backward, late prefetch)"
 OURS_OFF = dict(mode="zigzag_ring_attn", sp=1, checkpointing="layer", chunked_loss=False, tiled_mlp=False,
                 zero="bare", kernel="cudnn", fused_ops=False)
 ALST = dict(mode="data_parallel", sp=1, checkpointing="layer", chunked_loss=True, tiled_mlp=True, zero="bare",
@@ -69,10 +71,12 @@ POINTS = [
     ("hf (memory bench)", S7, L128, HF, 1, tok(L128, 2586), 95.55, None, MEMB, ""),
     ("ours-off (layer, HF loss)", S7, L128, OURS_OFF, 1, tok(L128, 2589), 95.55, None, MEMB, ""),
     ("ours offload+chunked+tiled *", S7, L32, OFF, 1, None, 28.69, None, MEMB, ""),
-    ("ours offload+chunked+tiled", S7, L64, OFF, 1, tok(L64, 4011), 32.0, None, MEMB, "mem"),
-    ("ours offload+chunked+tiled", S7, L128, OFF, 1, tok(L128, 2507), 39.55, None, MEMB, "mem"),
-    ("ours offload k=2 *", S7, L256, {**OFF, "k": 2}, 1, tok(L256, 1284), 57.89, None, MEMB, ""),
-    ("ours offload k=3 (probe)", S7, 786432, {**OFF, "k": 3}, 1, None, 131.5, None, MEMB, ""),
+    ("ours offload+chunked+tiled (12-02 code) +", S7, L64, OFF, 1, tok(L64, 4011), 32.0, None, MEMB, "mem"),
+    ("ours offload+chunked+tiled (12-02 code) +", S7, L128, OFF, 1, tok(L128, 2507), 39.55, None, MEMB, "mem"),
+    ("ours offload+chunked+tiled fa4 (first point) #", S7, L64, OFF4, 1, None, 31.12, None, MEM4, ""),
+    ("ours offload+chunked+tiled fa4", S7, L128, OFF4, 1, tok(L128, 2782), 37.16, None, MEM4, ""),
+    ("ours offload k=2 * +", S7, L256, {**OFF, "k": 2}, 1, tok(L256, 1284), 57.89, None, MEMB, ""),
+    ("ours offload k=3 (probe) +", S7, 786432, {**OFF, "k": 3}, 1, None, 131.5, None, MEMB, ""),
     ("ALST layer+chunked+tiled", S7, L64, ALST, 1, None, 40.2, None, ALSTS, ""),
     ("ALST layer+chunked+tiled", S7, L128, ALST, 1, model_flops_per_token(load_shape(S7), L128) * L128
      / (0.355 * 989e12), 67.2, None, ALSTS, ""),
@@ -90,6 +94,9 @@ POINTS = [
 NOTES = [
     "* = the Memory table's first run, before the fix that frees the recomputed layer output (+8 KB/token, added to "
     "the prediction); k = offloaded inputs kept one per k layers (nested).",
+    "+ = cuDNN and the 12-02 offload code (previous input prefetched before the attention backward): the fit "
+    "points of attn_ws_factor; the fa4 12-04 points (dq accumulator in head groups, late prefetch) are the check. "
+    "# = the run's first point pays the one-time pinning of the host pool (no step time).",
     "probe = block-local attention (memory only, no time). ALST = DeepSpeed's TiledMLP/TiledFusedLogitsLoss with HF "
     "norms (not train.py's code; 64K time not reported). DESIGN train.py points: an earlier commit, cuDNN.",
     "bare = the benches' fwd+bwd step (bf16 weights, gradients, no optimizer); hf = SDPA + HF eager norms/RoPE.",
@@ -138,12 +145,16 @@ def table():
     return "\n".join(out), misses
 
 
+def _point(label, L, ga=None):
+    return next(p for p in POINTS if p[0] == label and p[2] == L and (ga is None or p[4] == ga))
+
+
 def fit():
     """The closed-form calibrations (each from the points named in plan_constants.json's source)."""
     s7, s3 = load_shape(S7), load_shape(S3)
     d, da, dkv = s7.hidden, s7.d_attn, s7.d_kv
     mm = 6 * s7.matmul_params_active() * L128 / ((169.8 + 80.4) / 1e3) / 1e12
-    ws = (39.55 - 32.0) * GiB / (L128 - L64)
+    ws = (39.55 - 32.0) * GiB / (L128 - L64)  # cuDNN, early prefetch: the 12-04 points are the check
     sel = (100.6 - 34.9) * GiB / (L128 - L32)
     kept_sel = s7.layers * (2 * d + 2 * da + 4 * s7.heads)
     hf = (95.6 - 54.1) * GiB / (L128 - L64)
@@ -163,9 +174,9 @@ def fit():
         "host_bytes_per_param_zero3_offload": (79 - C("host_base_gib")) * GiB / n3,
     }
     # the rest need the model itself: ratio of measured to predicted with the factor / extra set to neutral
-    _, r, _ = run_point(POINTS[7])
+    _, r, _ = run_point(_point("ours fa4 selective+chunked", L128))
     out["step_time_factor"] = C("step_time_factor") * 36.27 / r["step_s"]
-    _, r, _ = run_point(POINTS[27])
+    _, r, _ = run_point(_point("train.py zero2 (all GPU)", L32, ga=1))
     out["zero2_extra_bytes_per_param"] = C("zero2_extra_bytes_per_param") + (68.9 - r["gpu_peak_gib"]) * GiB / n3
     resid = [m - run_point(p)[2] for p in POINTS if "mem" in p[9] for m in [p[6]] if p[3].get("zero") == "bare"]
     out["fixed_gpu_gib"] = C("fixed_gpu_gib") + sum(resid) / len(resid)  # (the json clamps it at 0)

@@ -44,8 +44,10 @@ def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: f
         per_layer += t_mm / 3 + rec_ew
     if opt.tiled_mlp:  # the tiled backward recomputes the MLP forward tile by tile
         per_layer += 2.0 * shape.mlp_params(active=True) * T / r_mm
-    if k > 1:  # nested: the inner inputs of each group of k are recomputed once more
-        per_layer += (k - 1) / k * (t_mm / 3 + t_attn_f + rec_ew)
+    if k > 1:  # nested: the inner inputs of each group of k are recomputed once more (their attention too, unless
+        # the mode's attention keeps what the rebuild computed for the layer's backward: memory/offload.py)
+        kept_attn = mode_of(opt).supports_attention_cache
+        per_layer += (k - 1) / k * (t_mm / 3 + (0.0 if kept_attn else t_attn_f) + rec_ew)
     t_head = (6.0 + (2.0 if opt.chunked_loss else 0.0)) * shape.vocab * d * T / r_mm
     return C("step_time_factor") * (shape.layers * per_layer + t_head), t_attn, t_attn_f
 
