@@ -145,9 +145,9 @@ def _windowed_rows(L, w, heads, head_dim, packed):
                 os.environ.pop(documents.WINDOW_ENV) if old_env is None else os.environ.__setitem__(
                     documents.WINDOW_ENV, old_env)
         return wrapped
-    cases = [("tiles + reversed band squares (default)", path("tiles")),
-             ("window kernel (fa4 window_size)", path("local")),
-             ("tiles, band edges on math (before)", path("tiles", rev=False, local=False)),
+    cases = [("window kernel (fa4 window_size, default)", path("auto")),
+             ("tiles + reversed band squares (no window kernel)", path("tiles")),
+             ("tiles, band edges on math (12-03 code)", path("tiles", rev=False, local=False)),
              ("full causal" + (" (documents)" if packed else ""),
               (lambda: run(full.block(idx, idx))) if full is not None else dense)]
     base = None

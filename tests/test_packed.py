@@ -201,10 +201,11 @@ def _masked_reference(q, k, v, do, keep, scale):
 def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, window):
     """Every block a ring asks for (diagonal, kv before q, zigzag pairs; packed and not) equals float64 attention
     with the explicit mask, through each window path: tiles with reversed band squares (one call each, and in one
-    varlen launch), and a window kernel in fa4's convention (EASY_CONTEXT_WINDOW_KERNEL=local)."""
+    varlen launch), band edges on the math kernel, and a window kernel in fa4's convention."""
     from easy_context.kernels import documents as kd
     g = torch.Generator().manual_seed(3)
-    paths = {"tiles": {}, "tiles+varlen": {"varlen": True}, "local": {"local": True}}
+    paths = {"tiles": {}, "tiles+varlen": {"varlen": True}, "local": {"local": True},
+             "math band edges": {"no_reverse": True}}
     seen_reversed = 0
     for lengths in ([40], [3, 1, 17, 2, 9, 8]):
         n = sum(lengths)
@@ -232,7 +233,8 @@ def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, w
                         m.setitem(kernels.VARLEN, "math", (_math_varlen_forward, _math_varlen_backward))
                     if opt.get("local"):
                         m.setitem(kd.WINDOWED, "math", (_fa_window_math, _fa_window_math_bwd))
-                        m.setenv(kd.WINDOW_ENV, "local")
+                    if opt.get("no_reverse"):
+                        m.setattr(kd, "_reversed_causal", lambda *a: False)
                     got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
                     gg = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk)
                 for a, b, name in zip((*got, *gg), ref, ("out", "lse", "dq", "dk", "dv")):
@@ -248,7 +250,7 @@ def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, w
 def test_windowed_attention_on_gpu_matches_reference(packed, kernel, monkeypatch):
     """bf16 through the auto backend (reversed band squares in fa4's varlen, or fa4's window_size) vs float64 math,
     diagonal and band blocks."""
-    monkeypatch.setenv(kernels.documents.WINDOW_ENV, kernel)
+    monkeypatch.setenv(kernels.documents.WINDOW_ENV, kernel)  # "local": fa4's window_size where usable
     g = torch.Generator().manual_seed(11)
     lengths = [700, 3, 1300, 45] if packed else [2048]
     n, w = sum(lengths), 256

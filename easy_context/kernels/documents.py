@@ -1,13 +1,13 @@
 """Document-masked attention of one block (packed rows): dense pieces per document, and diagonal runs of many
 documents grouped into one varlen launch where the backend has a varlen kernel (``VARLEN``).
 
-Sliding windows: a diagonal ``Window`` piece (a document longer than the window) is cut into q tiles of w rows
-(``Window.tiles``): each tile's causal diagonal joins the varlen run of the block's diagonal pieces, and each tile's
-band edge -- a square whose kept keys are b >= a, i.e. a causal square with q and kv reversed -- is reversed and
-run with the others as ONE more varlen causal launch (the flip trick). So a windowed block costs two fast causal
-launches whatever its length; measured faster on an H200 than FA4's own window_size (docs/memory.md).
-``EASY_CONTEXT_WINDOW_KERNEL=local`` uses the backend's window kernel (``WINDOWED``) for diagonals instead;
-off-diagonal windowed pieces (ring steps) always use it where it exists.
+Sliding windows: a ``Window`` piece runs in one call of the backend's window kernel (``WINDOWED``: fa4's
+window_size). Backends without one (cuDNN, ...) cut a diagonal ``Window`` (a document longer than the window) into q
+tiles of w rows (``Window.tiles``): each tile's causal diagonal joins the varlen run of the block's diagonal pieces,
+and each tile's band edge -- a square whose kept keys are b >= a, i.e. a causal square with q and kv reversed -- is
+reversed and run with the others as ONE more causal launch (the flip trick), so no band runs on the math kernel.
+H200, 128K, window 4096 (docs/memory.md): fa4 window_size 64.8 ms, tiles + reversed squares 168 ms, tiles with
+math band edges ~2 s. ``EASY_CONTEXT_WINDOW_KERNEL=tiles`` forces the tiles where a window kernel exists.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _expand(name, pieces):
     """Diagonal ``Window`` pieces -> their tiles in block coordinates (see the module doc)."""
     if not any(isinstance(p[2], Window) and p[2].causal for p in pieces):
         return pieces
-    if os.environ.get(WINDOW_ENV, "tiles").lower() == "local" and name in WINDOWED:
+    if name in WINDOWED and os.environ.get(WINDOW_ENV, "auto").lower() != "tiles":
         return pieces
     out = []
     for qs, ks, c in pieces:
@@ -216,7 +216,13 @@ def _doc_forward(name, q, k, v, scale, docs, into=None):
 
 
 def _piece_forward(name, q, k, v, causal, scale):
-    """One dense piece: causal True/False on the backend, a ``Window`` in one windowed call or in tiles."""
+    """One dense piece: causal True/False on the backend, a ``Window`` in one windowed call or in tiles, a ``Band``
+    reversed onto the causal kernel when it is a causal square that way, else on the math kernel."""
+    if isinstance(causal, Band):
+        if _reversed_causal(causal, q.shape[1], k.shape[1]):
+            o, l = _FORWARD[name](q.flip(1), k.flip(1), v.flip(1), True, scale)
+            return o.flip(1), l.flip(2)
+        return _math_forward(q, k, v, causal, scale)
     if not isinstance(causal, Window):
         return _FORWARD[name](q, k, v, causal, scale)
     n, m = q.shape[1], k.shape[1]
@@ -232,17 +238,17 @@ def _tiled_forward(name, q, k, v, win, scale):
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
     from . import merge_attn_out
     for qs, ks, c in win.tiles(q.shape[1], k.shape[1]):
-        if _reversed_causal(c, qs.stop - qs.start, ks.stop - ks.start):
-            o, l = _FORWARD[name](q[:, qs].flip(1), k[:, ks].flip(1), v[:, ks].flip(1), True, scale)
-            o, l = o.flip(1), l.flip(2)
-        else:
-            f = _FORWARD[name] if isinstance(c, bool) else _math_forward  # other band edges: explicit mask
-            o, l = f(q[:, qs], k[:, ks], v[:, ks], c, scale)
+        o, l = _piece_forward(name, q[:, qs], k[:, ks], v[:, ks], c, scale)
         merge_attn_out(out[:, qs], lse[:, :, qs], o, l)
     return out.to(q.dtype), lse.to(torch.float32) if acc == torch.float32 else lse
 
 
 def _piece_backward(name, dout, q, k, v, out, lse, causal, scale):
+    if isinstance(causal, Band):
+        if _reversed_causal(causal, q.shape[1], k.shape[1]):
+            g = _BACKWARD[name](*(x.flip(1) for x in (dout, q, k, v, out)), lse.flip(2), True, scale)
+            return tuple(x.flip(1) for x in g)
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
     if not isinstance(causal, Window):
         return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
     n, m = q.shape[1], k.shape[1]
@@ -257,13 +263,7 @@ def _tiled_backward(name, dout, q, k, v, out, lse, win, scale):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
     for qs, ks, c in win.tiles(q.shape[1], k.shape[1]):
-        if _reversed_causal(c, qs.stop - qs.start, ks.stop - ks.start):
-            g = _BACKWARD[name](*(x.flip(1) for x in (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs])),
-                                lse[:, :, qs].flip(2), True, scale)
-            g = [x.flip(1) for x in g]
-        else:
-            b = _BACKWARD[name] if isinstance(c, bool) else _math_backward
-            g = b(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], c, scale)
+        g = _piece_backward(name, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], c, scale)
         grads[0][:, qs] += g[0]
         grads[1][:, ks] += g[1]
         grads[2][:, ks] += g[2]
