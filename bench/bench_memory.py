@@ -76,6 +76,15 @@ def configure(model, impl, L, args):
     if impl == "ours-off":
         return configure_memory(model, "layer")
     host = args.probe_host_gib if impl == "probe" else args.host_gib
+    if getattr(args, "auto", False) and impl == "ours":  # k and selective layers from the budgets (memory/auto.py)
+        from easy_context.memory.auto import auto_checkpointing
+        choice, cfg = auto_checkpointing(model, L, host_budget=host * 2**30,
+                                         tiled_mlp="auto" if args.tiles == "auto" else int(args.tiles),
+                                         lean_norm=not args.no_lean_norm)
+        print("auto checkpointing:", choice.describe(), flush=True)
+        if not args.no_fused_rope:
+            apply_fused_ops(model, norms=False, rope=True)
+        return cfg
     k = keep_every_k(model, L, host) if args.checkpointing == "offload" else args.every_k
     some = None
     if args.selective_layers is not None and impl == "ours":
@@ -335,6 +344,8 @@ def main():
     ap.add_argument("--selective", action="store_true", help="ours also keeps attention outputs (faster)")
     ap.add_argument("--selective-layers", type=int, default=None,
                     help="ours keeps the attention output of this many layers only (those recomputed most)")
+    ap.add_argument("--auto", action="store_true",
+                    help="ours: offload k and selective layers chosen from free GPU memory and --host-gib (memory/auto.py)")
     ap.add_argument("--recompute-nested", action="store_true",
                     help="inner layers of a nested group recompute attention twice (the pre-2026-12-04 behaviour)")
     ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean (fused) RMSNorm")

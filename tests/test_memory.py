@@ -378,3 +378,41 @@ def test_offload_on_cuda_matches_layer_checkpointing():
     assert pool.nbytes() > 0
     pool.release()
     assert pool.nbytes() == 0 and not pool.registered
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpointing chosen from the budgets (memory/auto.py)
+# --------------------------------------------------------------------------------------------------
+def test_auto_checkpointing_choice_follows_the_budgets():
+    from easy_context.memory.auto import GiB, choose_checkpointing
+    from easy_context.tools.plan import load_shape
+    s = load_shape("llama-2-7b")
+    gpu = (139.8 - 25.2) * GiB  # an H200 after bf16 weights + gradients
+    roomy = choose_checkpointing(s, 131072, gpu, 100 * GiB)
+    assert roomy.offload_every_k == 1 and len(roomy.selective_layers) == 32  # all outputs fit at 128K
+    tight = choose_checkpointing(s, 524288, gpu, 70 * GiB)  # the 512K run's host
+    assert tight.offload_every_k == 2 and 0 < len(tight.selective_layers) < 32
+    assert tight.selective_layers == tuple(range(32 - len(tight.selective_layers), 32))  # later layers first
+    assert tight.host_bytes <= 70 * GiB and tight.saved_s > 0
+    less = choose_checkpointing(s, 524288, gpu - 20 * GiB, 70 * GiB)
+    assert len(less.selective_layers) == len(tight.selective_layers) - 5  # 4.06 GiB each
+    with pytest.raises(ValueError, match="more than the 114.6 GiB free"):
+        choose_checkpointing(s, 1048576, gpu, 200 * GiB)
+    with pytest.raises(ValueError, match="host memory"):
+        choose_checkpointing(s, 524288, gpu, 1 * GiB)
+
+
+def test_auto_checkpointing_applies_an_exact_configuration():
+    from easy_context.memory.auto import auto_checkpointing
+    ref = build_model("llama", num_hidden_layers=4)
+    model = copy.deepcopy(ref)
+    ids, pos, tgt = make_batch(1, 24, ref.config.vocab_size, labels_mask="random")
+    _, ref_loss, ref_grads = reference_step(ref, ids, pos, tgt)
+    inp = 2 * ref.config.hidden_size * 24  # one layer input; host for two of them -> k = 2
+    choice, cfg = auto_checkpointing(model, 24, gpu_budget=1e9, host_budget=2 * inp, kernel="cudnn")
+    assert choice.offload_every_k == 2 and cfg.offload_every_k == 2 and cfg.checkpointing == "offload"
+    assert cfg.selective_layers == choice.selective_layers == (0, 1, 2, 3)
+    loss, grads = _our_step(model, ids, pos, tgt)
+    assert_close(loss, ref_loss, REL, "auto loss")
+    for name, g in grads.items():
+        assert_close(g, ref_grads[name], REL, f"auto grad {name}")

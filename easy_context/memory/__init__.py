@@ -9,6 +9,7 @@
 * ``tiled_mlp``     — each decoder MLP runs over the sequence in tiles, forward and backward (ALST idea).
 * ``offload``       — checkpointed layer inputs in pinned host memory with overlapped copies; every-k nesting.
 * ``selective``     — keep attention output + LSE, recompute the rest (``enable_selective_checkpointing``).
+* ``auto``          — offload k and selective layers chosen from the GPU / host memory there is (auto.py).
 * ``norm``          — RMSNorm that keeps its bf16 input + fp32 inverse RMS (fused kernel on CUDA).
 All are exact: same loss and gradients as without them (tests/test_memory.py).
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from ..loss import causal_lm_loss, chunked_lm_loss, global_token_count, lm_head_loss
 from ..ops.lean_norm import apply_lean_norms, remove_lean_norms  # memory -> ops, never back
+from .auto import CheckpointChoice, auto_checkpointing, choose_checkpointing
 from .offload import CheckpointOffload, enable_checkpoint_offload
 from .tiled_mlp import apply_tiled_mlp, tile_mlp, untile_mlp
 
@@ -106,4 +108,5 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
 
 __all__ = ["configure_memory", "MemoryConfig", "CHECKPOINTING", "causal_lm_loss", "chunked_lm_loss",
            "lm_head_loss", "global_token_count", "apply_tiled_mlp", "tile_mlp", "untile_mlp",
-           "CheckpointOffload", "enable_checkpoint_offload", "apply_lean_norms", "remove_lean_norms"]
+           "CheckpointOffload", "enable_checkpoint_offload", "CheckpointChoice", "auto_checkpointing",
+           "choose_checkpointing", "apply_lean_norms", "remove_lean_norms"]

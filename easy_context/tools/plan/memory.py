@@ -40,6 +40,21 @@ def host_memory(shape: Shape, opt: Option, env: Env, g: dict, T: float, reasons:
     return k, host_peak, host_node
 
 
+def attn_working_set(shape: Shape, kernel: str, checkpointing: str, T: float) -> float:
+    """Bytes of one layer's attention backward (q, k, v, out, dout, dq, dk, dv, the layer input and its gradient,
+    kernel workspace) at T local tokens."""
+    d, da = shape.hidden, shape.d_attn
+    ws = C("attn_ws_factor") * 2 * (4 * da + 4 * shape.d_kv + 4 * d) * T
+    if checkpointing == "offload":  # the previous input comes back after the attention backward, not during it
+        ws -= 2 * d * T
+    if kernel == "fa4":  # its fp32 dq accumulator, in head groups past 256 MiB (kernels/fa4.head_groups)
+        groups = 1
+        while 4 * da * T / groups > 256 * 2**20 and groups < 8 and shape.kv_heads % (2 * groups) == 0:
+            groups *= 2
+        ws -= 4 * da * T * (1 - 1 / groups)
+    return ws
+
+
 def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
     """Peak GPU bytes per GPU."""
     N, world, sp = shape.params(), env.world, opt.sp
@@ -61,14 +76,7 @@ def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
     if k > 1 and mode_of(opt).supports_attention_cache:  # a nested group's rebuilt attention outputs (+ LSE), kept
         kept += (k - 1) * (2 * da + 4 * H) * T  # until their layer's backward (memory/offload + attention_cache)
     kv_eff = kv_width(shape, opt, sp)
-    ws_attn = C("attn_ws_factor") * 2 * (4 * da + 4 * shape.d_kv + 4 * d) * T
-    if opt.checkpointing == "offload":  # the previous input comes back after the attention backward, not during it
-        ws_attn -= 2 * d * T
-    if opt.kernel == "fa4":  # its fp32 dq accumulator, in head groups past 256 MiB (kernels/fa4.head_groups)
-        groups = 1
-        while 4 * da * T / groups > 256 * 2**20 and groups < 8 and shape.kv_heads % (2 * groups) == 0:
-            groups *= 2
-        ws_attn -= 4 * da * T * (1 - 1 / groups)
+    ws_attn = attn_working_set(shape, opt.kernel, opt.checkpointing, T)
     mlp_tokens = min(T, d) if opt.tiled_mlp else T
     ws_mlp = C("mlp_ws_factor") * 2 * shape.mlp_width_active() * mlp_tokens
     ws_loss = 0.0 if opt.chunked_loss else C("loss_ws_bytes_per_vocab") * shape.vocab * T

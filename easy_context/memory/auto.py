@@ -1,0 +1,109 @@
+"""Checkpointing chosen from the memory there is and measured costs, not a fixed k.
+
+For one step of ``tokens`` local tokens with offloaded checkpoints (memory/offload.py):
+
+* host memory decides k: the smallest k whose kept layer inputs (one per k layers, 2 B x hidden per token each)
+  fit the host budget;
+* GPU memory left after one layer's attention backward (the planner's working set, calibrated on an H200:
+  tools/plan_constants.json) and a nested group's transients is spent on selective layers (memory/selective.py):
+  each keeps its attention output + LSE (2 B x q width + 4 B x heads per token) and so skips its attention
+  recompute, the largest single saving per byte at long lengths (a causal attention forward at the measured
+  TFLOP/s of the kernel);
+* later layers first (their backward comes first).
+
+``choose_checkpointing`` is pure (a shape, budgets in bytes); ``auto_checkpointing`` measures the budgets of this
+process (free GPU memory minus the gradients still to come, MemAvailable of the host) and applies the choice.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GiB = 2**30
+MARGIN = 0.06  # of the GPU budget: allocator slack and what the working-set model does not see
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    offload_every_k: int
+    selective_layers: tuple[int, ...]
+    host_bytes: float        # pinned host memory for the kept inputs
+    gpu_extra_bytes: float   # GPU memory of the selective outputs and nested transients
+    saved_s: float           # predicted attention recompute time the selective layers skip
+    reason: str
+
+    def describe(self) -> str:
+        return (f"offload k={self.offload_every_k} ({self.host_bytes / GiB:.1f} GiB host), "
+                f"{len(self.selective_layers)} selective layers (+{self.gpu_extra_bytes / GiB:.1f} GiB GPU, "
+                f"~{self.saved_s:.1f} s less recompute): {self.reason}")
+
+
+def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: float, kernel: str = "fa4",
+                         gpu: str = "h200") -> CheckpointChoice:
+    """``shape``: a tools.plan Shape; ``gpu_budget``: bytes free for activations (weights and gradients already
+    counted out); ``host_budget``: bytes of host memory that may be pinned. Raises ValueError when even one kept
+    input per every layer of the model does not fit the host, or the working set does not fit the GPU."""
+    from ..tools.plan import gpu_constants
+    from ..tools.plan.memory import attn_working_set
+    from ..tools.plan.step_time import _interp
+    n, T, d, da = shape.layers, float(tokens), shape.hidden, shape.d_attn
+    inp, out = 2 * d * T, (2 * da + 4 * shape.heads) * T
+    if host_budget < inp:
+        raise ValueError(f"auto checkpointing: one layer input at {tokens} tokens is {inp / GiB:.1f} GiB, more than "
+                         f"the {host_budget / GiB:.1f} GiB of host memory available: shorten the sequence or use "
+                         "checkpointing='nested' (inputs kept on the GPU)")
+    k = max(1, math.ceil(n * inp / host_budget))
+    if k > n:
+        raise ValueError(f"auto checkpointing: {n} layers need at least {inp / GiB:.1f} GiB of host memory")
+    work = attn_working_set(shape, kernel, "offload", T) + (k - 1) * (inp + out)
+    room = gpu_budget * (1 - MARGIN) - work
+    if room < 0:
+        raise ValueError(f"auto checkpointing: one layer's backward needs ~{work / GiB:.1f} GiB at {tokens} tokens, "
+                         f"more than the {gpu_budget / GiB:.1f} GiB free: use more sequence-parallel ranks")
+    s = min(n, int(room // out))
+    rate = _interp(gpu_constants(gpu)["attn_fwd_tflops"].get(kernel, gpu_constants(gpu)["attn_fwd_tflops"]["cudnn"]),
+                   tokens) * 1e12
+    t_fwd = 2.0 * T * T * da / rate  # causal attention forward of one layer
+    layers = tuple(range(n - s, n))
+    why = (f"host {host_budget / GiB:.0f} GiB -> k={k}; GPU {gpu_budget / GiB:.0f} GiB - working set "
+           f"{work / GiB:.1f} GiB -> {s} x {out / GiB:.2f} GiB attention outputs")
+    return CheckpointChoice(k, layers, math.ceil(n / k) * inp, s * out + (k - 1) * (inp + out), s * t_fwd, why)
+
+
+def _host_available() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return float(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0.0
+
+
+def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host_budget: float | None = None,
+                       kernel: str | None = None, tiled_mlp=True, lean_norm: bool = True):
+    """Choose (``choose_checkpointing``) and apply (``configure_memory``) offloaded checkpointing for ``tokens``
+    local tokens. Budgets default to this process's: free GPU memory minus the bf16 gradients still to come, and
+    80% of the host's MemAvailable. Returns (CheckpointChoice, MemoryConfig)."""
+    import torch
+
+    from ..tools.plan.shape import shape_from_dict
+    from . import configure_memory
+    shape = shape_from_dict(type(model).__name__, model.config.to_dict())
+    if gpu_budget is None:
+        if not torch.cuda.is_available():
+            raise ValueError("auto checkpointing needs gpu_budget= on a machine without CUDA")
+        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+        gpu_budget = torch.cuda.mem_get_info()[0] - grads
+    if host_budget is None:
+        host_budget = 0.8 * _host_available()
+    if kernel is None:
+        from ..kernels import fa4
+        kernel = "fa4" if torch.cuda.is_available() and fa4.usable(torch.cuda.current_device()) else "cudnn"
+    choice = choose_checkpointing(shape, tokens, gpu_budget, host_budget, kernel)
+    cfg = configure_memory(model, "offload", offload_every_k=choice.offload_every_k, tiled_mlp=tiled_mlp,
+                           selective=bool(choice.selective_layers), lean_norm=lean_norm,
+                           selective_layers=choice.selective_layers or None)
+    return choice, cfg
+
+
+__all__ = ["CheckpointChoice", "choose_checkpointing", "auto_checkpointing"]
