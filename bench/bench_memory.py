@@ -243,6 +243,9 @@ def measure(model, impl, L, args, device, opt=False):
         n_kept = math.ceil(model.config.num_hidden_layers / mgr.every_k)
         mgr.reserve(n_kept * L * model.config.hidden_size * 2)
     cleanup(model, device)
+    if mgr is not None and device.type == "cuda" and getattr(args, "timeline", False) and impl == "ours":
+        from easy_context.memory.timeline import Timeline
+        mgr.timeline = Timeline()  # events only: no synchronisation inside the step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
@@ -260,6 +263,13 @@ def measure(model, impl, L, args, device, opt=False):
         return row
     dt = time.perf_counter() - t0
     row.update(status="ok", secs=round(dt, 1), loss=round(loss, 4))
+    if mgr is not None and mgr.timeline is not None:
+        tl, mgr.timeline = mgr.timeline, None
+        summary = tl.summary()
+        row["timeline"] = summary
+        print(f"offload timeline {impl} L={L}: {summary}", flush=True)
+        if os.environ.get("OUT"):
+            tl.chrome_trace(os.path.join(os.environ["OUT"], f"offload_trace_{L}.json"))
     if device.type == "cuda":
         row["peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
     row["host_peak_GiB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB / GiB, 1)  # process RSS
@@ -346,6 +356,8 @@ def main():
                     help="ours keeps the attention output of this many layers only (those recomputed most)")
     ap.add_argument("--auto", action="store_true",
                     help="ours: offload k and selective layers chosen from free GPU memory and --host-gib (memory/auto.py)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="ours: CUDA-event timeline of the offload copies, compute and stalls ($OUT/offload_trace_L.json)")
     ap.add_argument("--recompute-nested", action="store_true",
                     help="inner layers of a nested group recompute attention twice (the pre-2026-12-04 behaviour)")
     ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean (fused) RMSNorm")

@@ -374,6 +374,17 @@ def test_offload_on_cuda_matches_layer_checkpointing():
         assert_close(loss, ref_loss, 1e-4, f"[cuda {cfg}] loss")  # GPU reductions are not bit-stable
         for name, g in grads.items():
             assert_close(g, ref_grads[name], 1e-4, f"[cuda {cfg}] grad {name}")
+    # the timeline of one more step: every layer's compute, its copies each way, and the stalls, hidden or not
+    from easy_context.memory.timeline import Timeline
+    configure_memory(model, "offload", offload_every_k=1)
+    model._easy_context_offload.timeline = tl = Timeline()
+    _our_step(model, ids, pos, tgt)
+    names = [r[1] for r in tl.rows()]
+    n = ref.config.num_hidden_layers
+    assert sum(x.startswith("forward") for x in names) == n and sum(x.startswith("backward") for x in names) == n
+    assert sum(x.startswith("D2H") for x in names) == n and sum(x.startswith("H2D") for x in names) == n
+    summary = tl.summary()
+    assert summary["compute_ms"] > 0 and 0.0 <= summary["copies_hidden"] <= 1.0, summary
     pool = model._easy_context_host_pool
     assert pool.nbytes() > 0
     pool.release()

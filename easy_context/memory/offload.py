@@ -25,6 +25,8 @@ masks match. On CPU tensors "offload" is the same chunked copy without streams: 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -136,13 +138,17 @@ class _Stash:
             return
         stream = mgr.stream(x.device)
         stream.wait_stream(torch.cuda.current_stream(x.device))  # x is fully written
+        tl = mgr.timeline
+        start = tl.event(stream) if tl is not None else None
         with torch.cuda.stream(stream):
             for off, c in self._pieces():
                 n = min(self.mgr.pool.chunk_bytes, self.nbytes - off)
                 c[:n].copy_(flat[off: off + n], non_blocking=True)
         flat.record_stream(stream)  # the allocator may not reuse x's block before the copy ends
-        self.ev = torch.cuda.Event()
+        self.ev = torch.cuda.Event(enable_timing=tl is not None)
         self.ev.record(stream)
+        if tl is not None:
+            tl.add("d2h", f"D2H {self.nbytes / 2**20:.0f} MiB", start, self.ev)
 
     def _pieces(self):
         return [(i * self.mgr.pool.chunk_bytes, c) for i, c in enumerate(self.chunks)]
@@ -160,10 +166,14 @@ class _Stash:
         stream = self.mgr.stream(self.device)
         out = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)  # on the main stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the block is free to overwrite
+        tl = self.mgr.timeline
+        start = tl.event(stream) if tl is not None else None
         with torch.cuda.stream(stream):
             self.gpu = self._upload(out, non_blocking=True)
-        self.ev = torch.cuda.Event()
+        self.ev = torch.cuda.Event(enable_timing=tl is not None)
         self.ev.record(stream)
+        if tl is not None:
+            tl.add("h2d", f"H2D {self.nbytes / 2**20:.0f} MiB", start, self.ev)
 
     def get(self) -> torch.Tensor:
         if self.chunks is not None and self.device.type != "cuda":
@@ -171,7 +181,11 @@ class _Stash:
         else:
             self.prefetch()
             if self.ev is not None:
-                torch.cuda.current_stream(self.device).wait_event(self.ev)
+                main, tl = torch.cuda.current_stream(self.device), self.mgr.timeline
+                before = tl.event(main) if tl is not None else None
+                main.wait_event(self.ev)
+                if tl is not None:  # the main stream's idle time waiting for this copy
+                    tl.add("stall", "wait for H2D", before, tl.event(main))
             x = self.gpu
         self.release()
         return x
@@ -210,8 +224,8 @@ class _LayerCall:
     """What one checkpointed layer call needs to be replayed: the function, RNG and autocast state, and the
     module whose output gradient marks the end of the layer's attention backward (``_first_projection``)."""
 
-    def __init__(self, fn, device, marker=None):
-        self.fn, self.marker = fn, marker
+    def __init__(self, fn, device, marker=None, index=0):
+        self.fn, self.marker, self.index = fn, marker, index
         self.rng = _RngState(device)
         self.device_type = device.type
         self.autocast = _autocast_state(device.type)
@@ -230,13 +244,19 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, group, j, hidden, _dummy):
         ctx.call, ctx.group, ctx.j = call, group, j
-        out = call.fn(hidden)
+        with _traced(group.stash.mgr, f"forward {call.index}"):
+            out = call.fn(hidden)
         # transformers < 5 layers return a tuple (hidden, ...): the extras (None/attn weights) pass through
         call.extra = tuple(out[1:]) if isinstance(out, (tuple, list)) else None
         return _first(out)
 
     @staticmethod
     def backward(ctx, grad_out):
+        with _traced(ctx.group.stash.mgr, f"backward {ctx.call.index}"):
+            return _OffloadedCheckpoint._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         group, j = ctx.group, ctx.j
         x = group.input_for(j)
         mgr = group.stash.mgr
@@ -258,6 +278,11 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         if j == 0:
             mgr.prefetch_before(group)  # no-op if the hook already did
         return None, None, None, h.grad, None
+
+
+def _traced(mgr, name):
+    tl = mgr.timeline
+    return tl.span("compute", name) if tl is not None else contextlib.nullcontext()
 
 
 def _first_projection(layer):
@@ -291,6 +316,7 @@ class CheckpointOffload:
         self.pool = pool if pool is not None else HostPool()
         self._streams: dict = {}
         self._order: list[_Group] = []  # groups of the current forward, in order (for prefetch)
+        self.timeline = None  # a memory.timeline.Timeline to record copies, compute and stalls (CUDA only)
         self._open: _Group | None = None
 
     # -- host memory / streams ---------------------------------------------------------------------
@@ -334,7 +360,7 @@ class CheckpointOffload:
                 mgr._order.append(mgr._open)
                 j = 0
             group = mgr._open
-            call = _LayerCall(fn, hidden.device, marker)
+            call = _LayerCall(fn, hidden.device, marker, layer_idx)
             group.fns.append(call)
             dummy = torch.empty(0, requires_grad=True)  # output needs grad even if hidden does not
             out = _OffloadedCheckpoint.apply(call, group, len(group.fns) - 1, hidden, dummy)
