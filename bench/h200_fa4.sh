@@ -14,6 +14,7 @@
 #                                    # 128K, bench_memory ours at 64K and 128K (KB/token)
 #   bash bench/h200_fa4.sh mistral   # Mistral-7B-shape step at 128K: sliding window 4096 vs full attention
 #   bash bench/h200_fa4.sh hybrid    # carry .tf524 (transformers 5.24 wheel): bench_hybrid at 32K and 128K (one layer)
+#   bash bench/h200_fa4.sh timeline  # bench_memory --auto --timeline at 128K: offload copies vs compute, stalls
 #   bash bench/h200_fa4.sh m512-start    # one real 7B fwd+bwd at 512K, detached (setsid: it outlives the call,
 #   bash bench/h200_fa4.sh m512-wait N   #   ~10 min, over one call's limit); wait up to N s, copy its log to $OUT
 # install also installs .whl/ (deepspeed, datasets: bash ../shared/tools/device_wheels.sh ds) when carried.
@@ -62,6 +63,9 @@ case "${1:-}" in
   mistral)
     python3 bench/bench_train_step.py --mistral-window 4096 --lengths 131072 --steps 1 --warmup 1 2>&1 | grep -v Warn \
       | tee "$OUT/mistral_window.log" | tail -8 ;;
+  timeline)
+    python3 bench/bench_memory.py --hf-lengths --ours-lengths 131072 --off-lengths --opt-length 0 --probe-lengths \
+      --auto --timeline --host-gib 100 2>&1 | grep -v Warn | tee "$OUT/timeline_128k.log" | tail -10 ;;
   hybrid)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tf .tf524/*.whl
     export PYTHONPATH=/tmp/tf:$PYTHONPATH
@@ -83,5 +87,5 @@ case "${1:-}" in
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
     cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; cp /tmp/keep/bench_memory.json "$OUT/m512.json" 2>/dev/null || true
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
-  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|lora|m512-start|m512-wait N" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|m512-start|m512-wait N" >&2; exit 2 ;;
 esac
