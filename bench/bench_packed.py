@@ -69,24 +69,49 @@ def _len(sl, n):
     return len(range(*sl.indices(n)))
 
 
-def score_elements(blocks, L, world) -> tuple[int, int, int]:
-    """(attention score elements, kernel pieces, launches with FA4's varlen grouping) of a rank's forward
-    (causal pieces count half)."""
+def rank_counts(blocks, L, world) -> dict:
+    """One rank's forward counts: score elements of causal pieces (halved) and of rectangles, kernel pieces, launches
+    with FA4's varlen grouping (the time model's regressors, bench/packed_fit.py)."""
     n_loc = L // world
-    total = pieces = launches = 0
+    out = dict(causal=0, rect=0, pieces=0, launches=0)
     for qs, _, ks, causal, bd in blocks:
         if bd is None:
             n = _len(qs, n_loc) * _len(ks, n_loc)
-            total += n // 2 if causal else n
-            pieces += 1
-            launches += 1
+            out["causal" if causal else "rect"] += n // 2 if causal else n
+            out["pieces"] += 1
+            out["launches"] += 1
         else:
             for pq, pk, pc in bd.pieces():
                 n = (pq.stop - pq.start) * (pk.stop - pk.start)
-                total += n // 2 if pc else n
-                pieces += 1
-            launches += len(kernels._group("fa4", bd.pieces()))
-    return total, pieces, launches
+                out["causal" if pc else "rect"] += n // 2 if pc else n
+                out["pieces"] += 1
+            out["launches"] += len(kernels._group("fa4", bd.pieces()))
+    return out
+
+
+def score_elements(blocks, L, world) -> tuple[int, int, int]:
+    """(attention score elements, kernel pieces, launches with FA4's varlen grouping) of a rank's forward
+    (causal pieces count half)."""
+    c = rank_counts(blocks, L, world)
+    return c["causal"] + c["rect"], c["pieces"], c["launches"]
+
+
+def layout_counts(L, world, docs=None, k=1, plan=None) -> list[dict]:
+    """Per rank: ``rank_counts`` + ring steps, local tokens and whether the fixed ring runs it (full-size passes per
+    step), for the k-pair ring layout of ``docs`` or the dispatch ``plan``."""
+    out = []
+    for r in range(world):
+        if plan is None:
+            blocks = rank_blocks(r, world, L, docs, k)
+            c = rank_counts(blocks, L, world)
+            c.update(steps=sum(1 for b in blocks if b[4].pieces()), ring=True)
+        else:
+            blocks = dispatch_blocks(r, plan)
+            c = rank_counts([(slice(None), s, None, True, bd) for s, _, bd in blocks], L, world)
+            c.update(steps=len(blocks), ring=False)
+        c["tokens"] = L // world
+        out.append(c)
+    return out
 
 
 def dispatch_blocks(rank, plan):
@@ -122,18 +147,11 @@ def _dispatch_name(d, world, m):
     return f"dispatch {d.chunks} chunks, m={d.per_rank}" + (" (old pick)" if m == "old" else "")
 
 
-def predicted_ms(work, pieces, steps, L, world, dispatch=False, before=False):
-    """Slowest-rank fwd+bwd ms of dispatch.py's fitted time model from exact per-rank counts. The ring layouts (and
-    ``before``: the dispatch as measured, whose steps each made full-size passes) pay STEP_TIME_PER_TOKEN per step;
-    the dispatch now pays one full-size pass (init + cast) and STEP_TIME per further step (a guess until measured)."""
-    D, n = dispatch_mod, L // world
-    out = []
-    for w, p, st in zip(work, pieces, steps):
-        t = w + D.PIECE_TIME * p + D.TOKEN_TIME * n
-        t += D.STEP_TIME_PER_TOKEN * n * (st if before or not dispatch else 1) + \
-            (D.STEP_TIME * (st - 1) if dispatch and not before else 0)
-        out.append(t * D.MS_PER_ELEM)
-    return max(out)
+def predicted_ms(ranks, before=False) -> list[float]:
+    """Per-rank fwd+bwd ms of dispatch.py's fitted time model from exact per-rank counts (``layout_counts``).
+    ``before``: the dispatch as first measured, whose every step made full-size passes like the ring's."""
+    return dispatch_mod.rank_ms([c["causal"] + c["rect"] for c in ranks], [c["pieces"] for c in ranks],
+                                [c["steps"] for c in ranks], ranks[0]["tokens"], ring=before or ranks[0]["ring"])
 
 
 def kv_mb(tokens_recv, heads, dim, dkv_tokens=None, dkv_bytes=2):
@@ -152,48 +170,44 @@ def ring_kv_mb(L, world, heads, dim):
 def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), heads=32, dim=128):
     """One row per (length, layout): plain zigzag and the k-pair layout the ring uses for packed rows (or the k
     values of ``pairs``), then the dispatch deals of ``per_rank`` (see ``dispatch_layout``), with the fitted time
-    model's slowest-rank ms (``pred_ms``; ``pred_ms_before``: the dispatch as it was measured) and its ratio to the
-    default k-pair layout (``pred_vs_default``)."""
+    model's slowest-rank ms and max/mean of the predicted rank times (``pred_ms``, ``pred_mm``; ``pred_ms_before``:
+    the dispatch as it was first measured), the ratio to the default k-pair layout (``pred_vs_default``) and the
+    per-rank counts (``ranks``)."""
     rows = []
     for L in lengths_L:
         lens = doc_lengths(L, median, sigma)
         docs = packing.documents(positions(lens))
         dense = sum(score_elements(rank_blocks(r, world, L, None), L, world)[0] for r in range(world))
-        default = None
+        ks = sorted(set(pairs or (1, zigzag_pairs(L, world))))
+        here = []
 
-        def row(layout, got, steps, kv, dispatch=False):
-            work, pieces, launches = ([g[i] for g in got] for i in range(3))
-            ms = predicted_ms(work, pieces, steps, L, world, dispatch)
-            before = predicted_ms(work, pieces, steps, L, world, dispatch, before=True)
+        def row(layout, ranks, kv):
+            work = [c["causal"] + c["rect"] for c in ranks]
+            ms = predicted_ms(ranks)
+            rng = lambda key: f"{min(c[key] for c in ranks)}..{max(c[key] for c in ranks)}"  # noqa: E731
             return dict(L=L, W=world, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}",
                         max_doc=max(lens), work_vs_stream=f"{sum(work) / dense:.3f}",
                         max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
                         rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
-                        pieces_per_rank=f"{min(pieces)}..{max(pieces)}", steps=f"{min(steps)}..{max(steps)}",
-                        fa4_launches=f"{min(launches)}..{max(launches)}", kv_MB=kv, pred_ms=f"{ms:.1f}",
-                        pred_ms_before=f"{before:.1f}", _ms=ms)
-        for k in sorted(set(pairs or (1, zigzag_pairs(L, world)))):
-            blocks = [rank_blocks(r, world, L, docs, k) for r in range(world)]
-            got = [score_elements(b, L, world) for b in blocks]
-            steps = [sum(1 for b in bl if b[4].pieces()) for bl in blocks]
-            rows.append(row(f"{2 * world * k} chunks, k={k}", got, steps, f"{ring_kv_mb(L, world, heads, dim):.0f}"))
-            if k == zigzag_pairs(L, world):
-                default = rows[-1]["_ms"]
+                        pieces_per_rank=rng("pieces"), steps=rng("steps"), fa4_launches=rng("launches"), kv_MB=kv,
+                        pred_ms=f"{max(ms):.1f}", pred_mm=f"{max(ms) / (sum(ms) / world):.3f}",
+                        pred_ms_before=f"{max(predicted_ms(ranks, before=True)):.1f}", _ms=max(ms), ranks=ranks)
+        for k in ks:
+            here.append(row(f"{2 * world * k} chunks, k={k}", layout_counts(L, world, docs, k),
+                            f"{ring_kv_mb(L, world, heads, dim):.0f}"))
+        default = here[ks.index(zigzag_pairs(L, world))]["_ms"] if zigzag_pairs(L, world) in ks else None
         seen = set()
         for m in per_rank:
             d, plan = dispatch_layout(lens, L, world, m)
             if d in seen:
                 continue
             seen.add(d)
-            blocks = [dispatch_blocks(r, plan) for r in range(world)]
-            got = [score_elements([(slice(None), src, None, True, bd) for src, _, bd in b], L, world) for b in blocks]
             mb = [kv_mb(plan.received_tokens(r), heads, dim) for r in range(world)]
-            rows.append(row(_dispatch_name(d, world, m), got, [len(b) for b in blocks],
-                            f"{min(mb):.0f}..{max(mb):.0f}", dispatch=True))
-        for r in rows[len(rows) - len(seen) - len(set(pairs or (1, zigzag_pairs(L, world)))):]:
-            r["pred_vs_default"] = f"{default / r['_ms']:.2f}x" if default else ""
-    for r in rows:
-        r.pop("_ms")
+            here.append(row(_dispatch_name(d, world, m), layout_counts(L, world, plan=plan),
+                            f"{min(mb):.0f}..{max(mb):.0f}"))
+        for r in here:
+            r["pred_vs_default"] = f"{default / r.pop('_ms'):.2f}x" if default else ""
+        rows += here
     return rows
 
 

@@ -46,6 +46,17 @@ TOKEN_TIME = 140.0       # score elements per local token (0.22 ms per 16K): equ
 STEP_TIME = 1.0e6        # per dispatch step now that steps merge their pieces' rows only (into=): a guess, ~0.1 ms
 
 
+def rank_ms(work, pieces, steps, tokens: int, ring: bool = False) -> list[float]:
+    """Per-rank fwd+bwd ms of the fitted model (bench/packed_fit.py re-fits it) from per-rank work (score elements),
+    kernel pieces and ring steps, ``tokens`` local tokens a rank. ``ring``: the fixed ring, every step a full-size
+    pass; the dispatch makes one (accumulator init + cast), then each further step costs STEP_TIME."""
+    out = []
+    for w, p, st in zip(work, pieces, steps):
+        extra = STEP_TIME_PER_TOKEN * tokens * st if ring else STEP_TIME_PER_TOKEN * tokens + STEP_TIME * (st - 1)
+        out.append((w + PIECE_TIME * p + TOKEN_TIME * tokens + extra) * MS_PER_ELEM)
+    return out
+
+
 class DispatchError(ValueError):
     pass
 
