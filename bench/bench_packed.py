@@ -128,12 +128,13 @@ def dispatch_blocks(rank, plan):
 
 def dispatch_layout(lens, L, world, per_rank=None):
     """(Dispatch, DispatchPlan) of the row of documents ``lens``. ``per_rank``: m equal chunks a rank (the old
-    solver), "old" = the old solver's pick (equal chunks), "new" or None = plan_dispatch's default pick."""
+    solver), "old" = the old solver's pick (equal chunks), "prev" = the first segment solver's pick (boundaries moved
+    by work alone), "new" or None = plan_dispatch's default pick (by predicted rank time)."""
     pos = positions(lens)
     if per_rank in ("new", None):
         d = plan_dispatch(pos, world)
-    elif per_rank == "old":
-        d = plan_dispatch(pos, world, solver="chunks")
+    elif per_rank in ("old", "prev"):
+        d = plan_dispatch(pos, world, solver="chunks" if per_rank == "old" else "work")
     else:
         d = plan_dispatch(pos, world, per_rank=per_rank, solver="chunks")
     docs = packing.documents(pos)
@@ -142,8 +143,9 @@ def dispatch_layout(lens, L, world, per_rank=None):
 
 
 def _dispatch_name(d, world, m):
-    if m in ("new", None):
-        return f"dispatch {d.chunks} chunks, new pick (<= {d.per_rank} a rank)"
+    if m in ("new", None, "prev"):
+        return f"dispatch {d.chunks} chunks, {'work-balanced' if m == 'prev' else 'time-balanced'} pick " \
+            f"(<= {d.per_rank} a rank)"
     return f"dispatch {d.chunks} chunks, m={d.per_rank}" + (" (old pick)" if m == "old" else "")
 
 
@@ -318,8 +320,11 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         return d, times, err, launches, recv
 
-    def row(layout, t, err, launches, mb):
-        return dict(L=L, W=world, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
+    def row(layout, t, err, launches, mb, ranks=None):
+        if ranks is not None:  # per-rank counts and measured ms: the points bench/packed_fit.py re-fits the model on
+            ranks = [dict(c, ms=round(ms, 3)) for c, ms in zip(ranks, t)]
+        return dict(ranks=ranks, rank_ms=" ".join(f"{x:.1f}" for x in t), L=L, W=world, layout=layout,
+                    docs=len(lens), mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
                     packed_ms=f"{sum(t):.0f}", slowest_rank_ms=f"{max(t):.1f}", stream_ms=f"{sum(stream):.0f}",
                     speedup=f"{sum(stream) / sum(t):.2f}x", wall_speedup=f"{max(stream) / max(t):.2f}x",
                     max_over_mean=f"{max(t) / (sum(t) / world):.3f}",
@@ -330,7 +335,8 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
     rows = []
     for kk in ks:
         t, err, launches = run(docs, kk)
-        rows.append(row(f"{2 * world * kk} chunks, k={kk}", t, err, launches, f"{ring_kv_mb(L, world, heads, dim):.0f}"))
+        rows.append(row(f"{2 * world * kk} chunks, k={kk}", t, err, launches, f"{ring_kv_mb(L, world, heads, dim):.0f}",
+                        layout_counts(L, world, docs, kk)))
     seen = set()
     for m in per_rank:
         d, plan = dispatch_layout(lens, L, world, m)
@@ -339,7 +345,8 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
         seen.add(d)
         d, t, err, launches, recv = run_dispatch(m, d, plan)
         mb = [kv_mb(x, heads, dim) for x in recv]
-        rows.append(row(_dispatch_name(d, world, m), t, err, launches, f"{min(mb):.0f}..{max(mb):.0f}"))
+        rows.append(row(_dispatch_name(d, world, m), t, err, launches, f"{min(mb):.0f}..{max(mb):.0f}",
+                        layout_counts(L, world, plan=plan)))
     default = next((r["_slow"] for r, kk in zip(rows, ks) if kk == zigzag_pairs(L, world)), None)
     for r in rows:
         slow = r.pop("_slow")
@@ -362,22 +369,28 @@ def main():
                     help="chunks per rank of the dispatch to time (default: the cost model's pick)")
     ap.add_argument("--count", action="store_true", help="CPU: score elements per rank only")
     ap.add_argument("--check", action="store_true", help="CPU float32 run of the simulation's code path (errors only)")
+    ap.add_argument("--fit", metavar="FILE", help="CPU: re-fit dispatch.py's time model (least squares) on the "
+                    "per-rank counts and times of a bench_packed JSON ($OUT/bench_packed.json of a GPU run)")
     args = ap.parse_args()
+    if args.fit:
+        from bench import packed_fit
+        packed_fit.main(args.fit)
+        return
     if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
-        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4), per_rank=("old", "new", 8)):
-            print(r)
+        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4), per_rank=("old", "prev", "new", 8)):
+            print({k: v for k, v in r.items() if k != "ranks"})
             assert float(r["err"]) < 1e-5, r
         return
-    per_rank = ["old", "new"] + [m for m in (args.per_rank or []) if m is not None]
+    per_rank = ["old", "prev", "new"] + [m for m in (args.per_rank or []) if m is not None]
     counts = count_only(args.lengths, args.world, args.median, args.sigma, args.pairs, per_rank, args.heads,
                         args.head_dim)
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "
           f"sigma {args.sigma:g})\n")
     print(table(counts, ["L", "W", "layout", "docs", "max_doc", "work_vs_stream", "max_over_mean", "rank_Melems",
-                         "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_ms_before",
+                         "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_mm", "pred_ms_before",
                          "pred_vs_default"]))
     print("\npred_ms: dispatch.py's time model fitted to the H200 timings (FA4, fwd+bwd, 32 heads x 128) from exact "
-          "per-rank counts;\npred_ms_before: the same with the ring steps' full-size passes the measured code made")
+          "per-rank counts; pred_mm: max/mean of the predicted rank times;\npred_ms_before: the same with the ring steps' full-size passes the measured code made")
     print("\n## Balance study: finer chunks, mirrored pairs vs greedy by cost (q-side work per rank)\n")
     print(table(balance_study(args.lengths, args.world, args.median, args.sigma),
                 ["L", "W", "chunks", "mirrored_max_over_mean", "greedy_max_over_mean"]))
@@ -392,12 +405,14 @@ def main():
         new = simulate(L, args.world, args.heads, args.head_dim, args.median, args.sigma, args.iters, pairs=args.pairs,
                        per_rank=per_rank)
         rows += new
-        print(*new, sep="\n", flush=True)
+        print(*({k: v for k, v in r.items() if k != "ranks"} for r in new), sep="\n", flush=True)
         torch.cuda.empty_cache()
     print("\n## Simulated ring, packed documents (zigzag, k pairs, dispatch) vs one causal stream (fwd+bwd, bf16)\n")
     print(table(rows, ["L", "W", "layout", "docs", "mean_doc", "max_doc", "packed_ms", "slowest_rank_ms", "stream_ms",
                        "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "vs_default", "fa4_launches",
                        "kv_MB", "err"]))
+    print("\n## Measured ms per rank (fwd+bwd; the points `--fit` re-fits the time model on)\n")
+    print(table(rows, ["L", "layout", "rank_ms"]))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_packed.json"), "w") as f:
             json.dump(dict(env=env_line(), counts=counts, rows=rows), f, indent=1)
