@@ -377,7 +377,8 @@ def main():
         packed_fit.main(args.fit)
         return
     if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
-        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4), per_rank=("old", "prev", "new", 8)):
+        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4),
+                          per_rank=("old", "prev", "new", 8)):
             print({k: v for k, v in r.items() if k != "ranks"})
             assert float(r["err"]) < 1e-5, r
         return
@@ -390,7 +391,8 @@ def main():
                          "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_mm", "pred_ms_before",
                          "pred_vs_default"]))
     print("\npred_ms: dispatch.py's time model fitted to the H200 timings (FA4, fwd+bwd, 32 heads x 128) from exact "
-          "per-rank counts; pred_mm: max/mean of the predicted rank times;\npred_ms_before: the same with the ring steps' full-size passes the measured code made")
+          "per-rank counts; pred_mm: max/mean of the predicted rank times;\npred_ms_before: the same with the "
+          "ring steps' full-size passes the measured code made")
     print("\n## Balance study: finer chunks, mirrored pairs vs greedy by cost (q-side work per rank)\n")
     print(table(balance_study(args.lengths, args.world, args.median, args.sigma),
                 ["L", "W", "chunks", "mirrored_max_over_mean", "greedy_max_over_mean"]))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from easy_context import packing, prepare_seq_parallel_inputs, shard_sequence, unshard_sequence
-from easy_context.dispatch import (DISPATCH_ATTR, LAYOUT_ENV, SOLVERS, Dispatch, DispatchError, candidates, plan_dispatch,
-                                   predict, solve, tile_of, token_costs)
+from easy_context.dispatch import (DISPATCH_ATTR, LAYOUT_ENV, SOLVERS, Dispatch, DispatchError, candidates,
+                                   plan_dispatch, predict, solve, tile_of, token_costs)
 from easy_context.dispatch_ring import DispatchPlan
 from easy_context.sharding import packed_rows, zigzag_shard
 from tests.harness import run_ranks
@@ -125,10 +125,11 @@ def _ring_mask(docs, d):
 
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_dispatched_ring_covers_the_mask_once_and_sends_only_what_is_needed(window):
+    # (2, [64]): a row that is one document; the 13-document row gives the time objective pieces to merge
     cases = [(2, [5, 1, 11, 7, 24, 16], s) for s in ("chunks", "segments", "work")] + \
         [(4, [1, 60, 2, 1], "auto"), (4, [3] * 21 + [1], "auto"), (3, [13, 2, 30, 1, 50], "auto"),
          (4, [200, 1, 3, 52], "segments"), (2, [64], "segments"), (3, [13, 2, 30, 1, 50], "work")] + \
-        [(4, [9, 90, 3, 1, 1, 1, 2, 60, 5, 12, 40, 1, 31], s) for s in ("segments", "work")]  # the last: a row that is one document
+        [(4, [9, 90, 3, 1, 1, 1, 2, 60, 5, 12, 40, 1, 31], s) for s in ("segments", "work")]
     for world, lengths, solver in cases:
         n = sum(lengths)
         docs = packing.documents(_positions(lengths), window=window)
