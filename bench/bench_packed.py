@@ -69,24 +69,49 @@ def _len(sl, n):
     return len(range(*sl.indices(n)))
 
 
-def score_elements(blocks, L, world) -> tuple[int, int, int]:
-    """(attention score elements, kernel pieces, launches with FA4's varlen grouping) of a rank's forward
-    (causal pieces count half)."""
+def rank_counts(blocks, L, world) -> dict:
+    """One rank's forward counts: score elements of causal pieces (halved) and of rectangles, kernel pieces, launches
+    with FA4's varlen grouping (the time model's regressors, bench/packed_fit.py)."""
     n_loc = L // world
-    total = pieces = launches = 0
+    out = dict(causal=0, rect=0, pieces=0, launches=0)
     for qs, _, ks, causal, bd in blocks:
         if bd is None:
             n = _len(qs, n_loc) * _len(ks, n_loc)
-            total += n // 2 if causal else n
-            pieces += 1
-            launches += 1
+            out["causal" if causal else "rect"] += n // 2 if causal else n
+            out["pieces"] += 1
+            out["launches"] += 1
         else:
             for pq, pk, pc in bd.pieces():
                 n = (pq.stop - pq.start) * (pk.stop - pk.start)
-                total += n // 2 if pc else n
-                pieces += 1
-            launches += len(kernels._group("fa4", bd.pieces()))
-    return total, pieces, launches
+                out["causal" if pc else "rect"] += n // 2 if pc else n
+                out["pieces"] += 1
+            out["launches"] += len(kernels._group("fa4", bd.pieces()))
+    return out
+
+
+def score_elements(blocks, L, world) -> tuple[int, int, int]:
+    """(attention score elements, kernel pieces, launches with FA4's varlen grouping) of a rank's forward
+    (causal pieces count half)."""
+    c = rank_counts(blocks, L, world)
+    return c["causal"] + c["rect"], c["pieces"], c["launches"]
+
+
+def layout_counts(L, world, docs=None, k=1, plan=None) -> list[dict]:
+    """Per rank: ``rank_counts`` + ring steps, local tokens and whether the fixed ring runs it (full-size passes per
+    step), for the k-pair ring layout of ``docs`` or the dispatch ``plan``."""
+    out = []
+    for r in range(world):
+        if plan is None:
+            blocks = rank_blocks(r, world, L, docs, k)
+            c = rank_counts(blocks, L, world)
+            c.update(steps=sum(1 for b in blocks if b[4].pieces()), ring=True)
+        else:
+            blocks = dispatch_blocks(r, plan)
+            c = rank_counts([(slice(None), s, None, True, bd) for s, _, bd in blocks], L, world)
+            c.update(steps=len(blocks), ring=False)
+        c["tokens"] = L // world
+        out.append(c)
+    return out
 
 
 def dispatch_blocks(rank, plan):
@@ -103,12 +128,13 @@ def dispatch_blocks(rank, plan):
 
 def dispatch_layout(lens, L, world, per_rank=None):
     """(Dispatch, DispatchPlan) of the row of documents ``lens``. ``per_rank``: m equal chunks a rank (the old
-    solver), "old" = the old solver's pick (equal chunks), "new" or None = plan_dispatch's default pick."""
+    solver), "old" = the old solver's pick (equal chunks), "prev" = the first segment solver's pick (boundaries moved
+    by work alone), "new" or None = plan_dispatch's default pick (by predicted rank time)."""
     pos = positions(lens)
     if per_rank in ("new", None):
         d = plan_dispatch(pos, world)
-    elif per_rank == "old":
-        d = plan_dispatch(pos, world, solver="chunks")
+    elif per_rank in ("old", "prev"):
+        d = plan_dispatch(pos, world, solver="chunks" if per_rank == "old" else "work")
     else:
         d = plan_dispatch(pos, world, per_rank=per_rank, solver="chunks")
     docs = packing.documents(pos)
@@ -117,23 +143,17 @@ def dispatch_layout(lens, L, world, per_rank=None):
 
 
 def _dispatch_name(d, world, m):
-    if m in ("new", None):
-        return f"dispatch {d.chunks} chunks, new pick (<= {d.per_rank} a rank)"
+    if m in ("new", None, "prev"):
+        return f"dispatch {d.chunks} chunks, {'work-balanced' if m == 'prev' else 'time-balanced'} pick " \
+            f"(<= {d.per_rank} a rank)"
     return f"dispatch {d.chunks} chunks, m={d.per_rank}" + (" (old pick)" if m == "old" else "")
 
 
-def predicted_ms(work, pieces, steps, L, world, dispatch=False, before=False):
-    """Slowest-rank fwd+bwd ms of dispatch.py's fitted time model from exact per-rank counts. The ring layouts (and
-    ``before``: the dispatch as measured, whose steps each made full-size passes) pay STEP_TIME_PER_TOKEN per step;
-    the dispatch now pays one full-size pass (init + cast) and STEP_TIME per further step (a guess until measured)."""
-    D, n = dispatch_mod, L // world
-    out = []
-    for w, p, st in zip(work, pieces, steps):
-        t = w + D.PIECE_TIME * p + D.TOKEN_TIME * n
-        t += D.STEP_TIME_PER_TOKEN * n * (st if before or not dispatch else 1) + \
-            (D.STEP_TIME * (st - 1) if dispatch and not before else 0)
-        out.append(t * D.MS_PER_ELEM)
-    return max(out)
+def predicted_ms(ranks, before=False) -> list[float]:
+    """Per-rank fwd+bwd ms of dispatch.py's fitted time model from exact per-rank counts (``layout_counts``).
+    ``before``: the dispatch as first measured, whose every step made full-size passes like the ring's."""
+    return dispatch_mod.rank_ms([c["causal"] + c["rect"] for c in ranks], [c["pieces"] for c in ranks],
+                                [c["steps"] for c in ranks], ranks[0]["tokens"], ring=before or ranks[0]["ring"])
 
 
 def kv_mb(tokens_recv, heads, dim, dkv_tokens=None, dkv_bytes=2):
@@ -152,48 +172,44 @@ def ring_kv_mb(L, world, heads, dim):
 def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), heads=32, dim=128):
     """One row per (length, layout): plain zigzag and the k-pair layout the ring uses for packed rows (or the k
     values of ``pairs``), then the dispatch deals of ``per_rank`` (see ``dispatch_layout``), with the fitted time
-    model's slowest-rank ms (``pred_ms``; ``pred_ms_before``: the dispatch as it was measured) and its ratio to the
-    default k-pair layout (``pred_vs_default``)."""
+    model's slowest-rank ms and max/mean of the predicted rank times (``pred_ms``, ``pred_mm``; ``pred_ms_before``:
+    the dispatch as it was first measured), the ratio to the default k-pair layout (``pred_vs_default``) and the
+    per-rank counts (``ranks``)."""
     rows = []
     for L in lengths_L:
         lens = doc_lengths(L, median, sigma)
         docs = packing.documents(positions(lens))
         dense = sum(score_elements(rank_blocks(r, world, L, None), L, world)[0] for r in range(world))
-        default = None
+        ks = sorted(set(pairs or (1, zigzag_pairs(L, world))))
+        here = []
 
-        def row(layout, got, steps, kv, dispatch=False):
-            work, pieces, launches = ([g[i] for g in got] for i in range(3))
-            ms = predicted_ms(work, pieces, steps, L, world, dispatch)
-            before = predicted_ms(work, pieces, steps, L, world, dispatch, before=True)
+        def row(layout, ranks, kv):
+            work = [c["causal"] + c["rect"] for c in ranks]
+            ms = predicted_ms(ranks)
+            rng = lambda key: f"{min(c[key] for c in ranks)}..{max(c[key] for c in ranks)}"  # noqa: E731
             return dict(L=L, W=world, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}",
                         max_doc=max(lens), work_vs_stream=f"{sum(work) / dense:.3f}",
                         max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
                         rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
-                        pieces_per_rank=f"{min(pieces)}..{max(pieces)}", steps=f"{min(steps)}..{max(steps)}",
-                        fa4_launches=f"{min(launches)}..{max(launches)}", kv_MB=kv, pred_ms=f"{ms:.1f}",
-                        pred_ms_before=f"{before:.1f}", _ms=ms)
-        for k in sorted(set(pairs or (1, zigzag_pairs(L, world)))):
-            blocks = [rank_blocks(r, world, L, docs, k) for r in range(world)]
-            got = [score_elements(b, L, world) for b in blocks]
-            steps = [sum(1 for b in bl if b[4].pieces()) for bl in blocks]
-            rows.append(row(f"{2 * world * k} chunks, k={k}", got, steps, f"{ring_kv_mb(L, world, heads, dim):.0f}"))
-            if k == zigzag_pairs(L, world):
-                default = rows[-1]["_ms"]
+                        pieces_per_rank=rng("pieces"), steps=rng("steps"), fa4_launches=rng("launches"), kv_MB=kv,
+                        pred_ms=f"{max(ms):.1f}", pred_mm=f"{max(ms) / (sum(ms) / world):.3f}",
+                        pred_ms_before=f"{max(predicted_ms(ranks, before=True)):.1f}", _ms=max(ms), ranks=ranks)
+        for k in ks:
+            here.append(row(f"{2 * world * k} chunks, k={k}", layout_counts(L, world, docs, k),
+                            f"{ring_kv_mb(L, world, heads, dim):.0f}"))
+        default = here[ks.index(zigzag_pairs(L, world))]["_ms"] if zigzag_pairs(L, world) in ks else None
         seen = set()
         for m in per_rank:
             d, plan = dispatch_layout(lens, L, world, m)
             if d in seen:
                 continue
             seen.add(d)
-            blocks = [dispatch_blocks(r, plan) for r in range(world)]
-            got = [score_elements([(slice(None), src, None, True, bd) for src, _, bd in b], L, world) for b in blocks]
             mb = [kv_mb(plan.received_tokens(r), heads, dim) for r in range(world)]
-            rows.append(row(_dispatch_name(d, world, m), got, [len(b) for b in blocks],
-                            f"{min(mb):.0f}..{max(mb):.0f}", dispatch=True))
-        for r in rows[len(rows) - len(seen) - len(set(pairs or (1, zigzag_pairs(L, world)))):]:
-            r["pred_vs_default"] = f"{default / r['_ms']:.2f}x" if default else ""
-    for r in rows:
-        r.pop("_ms")
+            here.append(row(_dispatch_name(d, world, m), layout_counts(L, world, plan=plan),
+                            f"{min(mb):.0f}..{max(mb):.0f}"))
+        for r in here:
+            r["pred_vs_default"] = f"{default / r.pop('_ms'):.2f}x" if default else ""
+        rows += here
     return rows
 
 
@@ -304,8 +320,11 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         return d, times, err, launches, recv
 
-    def row(layout, t, err, launches, mb):
-        return dict(L=L, W=world, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
+    def row(layout, t, err, launches, mb, ranks=None):
+        if ranks is not None:  # per-rank counts and measured ms: the points bench/packed_fit.py re-fits the model on
+            ranks = [dict(c, ms=round(ms, 3)) for c, ms in zip(ranks, t)]
+        return dict(ranks=ranks, rank_ms=" ".join(f"{x:.1f}" for x in t), L=L, W=world, layout=layout,
+                    docs=len(lens), mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
                     packed_ms=f"{sum(t):.0f}", slowest_rank_ms=f"{max(t):.1f}", stream_ms=f"{sum(stream):.0f}",
                     speedup=f"{sum(stream) / sum(t):.2f}x", wall_speedup=f"{max(stream) / max(t):.2f}x",
                     max_over_mean=f"{max(t) / (sum(t) / world):.3f}",
@@ -316,7 +335,8 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
     rows = []
     for kk in ks:
         t, err, launches = run(docs, kk)
-        rows.append(row(f"{2 * world * kk} chunks, k={kk}", t, err, launches, f"{ring_kv_mb(L, world, heads, dim):.0f}"))
+        rows.append(row(f"{2 * world * kk} chunks, k={kk}", t, err, launches, f"{ring_kv_mb(L, world, heads, dim):.0f}",
+                        layout_counts(L, world, docs, kk)))
     seen = set()
     for m in per_rank:
         d, plan = dispatch_layout(lens, L, world, m)
@@ -325,7 +345,8 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
         seen.add(d)
         d, t, err, launches, recv = run_dispatch(m, d, plan)
         mb = [kv_mb(x, heads, dim) for x in recv]
-        rows.append(row(_dispatch_name(d, world, m), t, err, launches, f"{min(mb):.0f}..{max(mb):.0f}"))
+        rows.append(row(_dispatch_name(d, world, m), t, err, launches, f"{min(mb):.0f}..{max(mb):.0f}",
+                        layout_counts(L, world, plan=plan)))
     default = next((r["_slow"] for r, kk in zip(rows, ks) if kk == zigzag_pairs(L, world)), None)
     for r in rows:
         slow = r.pop("_slow")
@@ -348,22 +369,30 @@ def main():
                     help="chunks per rank of the dispatch to time (default: the cost model's pick)")
     ap.add_argument("--count", action="store_true", help="CPU: score elements per rank only")
     ap.add_argument("--check", action="store_true", help="CPU float32 run of the simulation's code path (errors only)")
+    ap.add_argument("--fit", metavar="FILE", help="CPU: re-fit dispatch.py's time model (least squares) on the "
+                    "per-rank counts and times of a bench_packed JSON ($OUT/bench_packed.json of a GPU run)")
     args = ap.parse_args()
+    if args.fit:
+        from bench import packed_fit
+        packed_fit.main(args.fit)
+        return
     if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
-        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4), per_rank=("old", "new", 8)):
-            print(r)
+        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4),
+                          per_rank=("old", "prev", "new", 8)):
+            print({k: v for k, v in r.items() if k != "ranks"})
             assert float(r["err"]) < 1e-5, r
         return
-    per_rank = ["old", "new"] + [m for m in (args.per_rank or []) if m is not None]
+    per_rank = ["old", "prev", "new"] + [m for m in (args.per_rank or []) if m is not None]
     counts = count_only(args.lengths, args.world, args.median, args.sigma, args.pairs, per_rank, args.heads,
                         args.head_dim)
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "
           f"sigma {args.sigma:g})\n")
     print(table(counts, ["L", "W", "layout", "docs", "max_doc", "work_vs_stream", "max_over_mean", "rank_Melems",
-                         "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_ms_before",
+                         "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_mm", "pred_ms_before",
                          "pred_vs_default"]))
     print("\npred_ms: dispatch.py's time model fitted to the H200 timings (FA4, fwd+bwd, 32 heads x 128) from exact "
-          "per-rank counts;\npred_ms_before: the same with the ring steps' full-size passes the measured code made")
+          "per-rank counts; pred_mm: max/mean of the predicted rank times;\npred_ms_before: the same with the "
+          "ring steps' full-size passes the measured code made")
     print("\n## Balance study: finer chunks, mirrored pairs vs greedy by cost (q-side work per rank)\n")
     print(table(balance_study(args.lengths, args.world, args.median, args.sigma),
                 ["L", "W", "chunks", "mirrored_max_over_mean", "greedy_max_over_mean"]))
@@ -378,12 +407,14 @@ def main():
         new = simulate(L, args.world, args.heads, args.head_dim, args.median, args.sigma, args.iters, pairs=args.pairs,
                        per_rank=per_rank)
         rows += new
-        print(*new, sep="\n", flush=True)
+        print(*({k: v for k, v in r.items() if k != "ranks"} for r in new), sep="\n", flush=True)
         torch.cuda.empty_cache()
     print("\n## Simulated ring, packed documents (zigzag, k pairs, dispatch) vs one causal stream (fwd+bwd, bf16)\n")
     print(table(rows, ["L", "W", "layout", "docs", "mean_doc", "max_doc", "packed_ms", "slowest_rank_ms", "stream_ms",
                        "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "vs_default", "fa4_launches",
                        "kv_MB", "err"]))
+    print("\n## Measured ms per rank (fwd+bwd; the points `--fit` re-fits the time model on)\n")
+    print(table(rows, ["L", "layout", "rank_ms"]))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_packed.json"), "w") as f:
             json.dump(dict(env=env_line(), counts=counts, rows=rows), f, indent=1)

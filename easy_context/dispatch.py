@@ -46,6 +46,17 @@ TOKEN_TIME = 140.0       # score elements per local token (0.22 ms per 16K): equ
 STEP_TIME = 1.0e6        # per dispatch step now that steps merge their pieces' rows only (into=): a guess, ~0.1 ms
 
 
+def rank_ms(work, pieces, steps, tokens: int, ring: bool = False) -> list[float]:
+    """Per-rank fwd+bwd ms of the fitted model (bench/packed_fit.py re-fits it) from per-rank work (score elements),
+    kernel pieces and ring steps, ``tokens`` local tokens a rank. ``ring``: the fixed ring, every step a full-size
+    pass; the dispatch makes one (accumulator init + cast), then each further step costs STEP_TIME."""
+    out = []
+    for w, p, st in zip(work, pieces, steps):
+        extra = STEP_TIME_PER_TOKEN * tokens * st if ring else STEP_TIME_PER_TOKEN * tokens + STEP_TIME * (st - 1)
+        out.append((w + PIECE_TIME * p + TOKEN_TIME * tokens + extra) * MS_PER_ELEM)
+    return out
+
+
 class DispatchError(ValueError):
     pass
 
@@ -273,19 +284,25 @@ def _stats(positions, window):
     return token_costs(positions, window), _doc_start(positions).min(0).values
 
 
-def estimate(positions: torch.Tensor, cuts, owners, window: int | None = None, stats=None):
-    """dispatch_segments.Estimate (work, pieces, steps per rank) of the deal ``(cuts, owners)`` of ``positions``."""
-    from .dispatch_segments import Estimate, segments
+def _arrays(positions, window, stats):
+    """(prefix token cost (L+1,), restarts before each index (L+1,), document start (L,)) for Estimate."""
     tok, start = stats if stats is not None else _stats(positions, window)
     pos = positions.detach().to("cpu", torch.long).reshape(-1, positions.shape[-1])
     restart = (pos == 0).any(0).long()
     restart[0] = 0
     restarts = torch.cat([torch.zeros(1, dtype=torch.long), restart.cumsum(0)]).numpy()
     prefix = torch.cat([torch.zeros(1, dtype=torch.float64), tok.cumsum(0)]).numpy()
-    return Estimate(segments(cuts, owners), prefix, restarts, start.numpy(), len(owners), window)
+    return prefix, restarts, start.numpy()
 
 
-SOLVERS = ("auto", "chunks", "segments")
+def estimate(positions: torch.Tensor, cuts, owners, window: int | None = None, stats=None):
+    """dispatch_segments.Estimate (work, pieces, steps per rank) of the deal ``(cuts, owners)`` of ``positions``."""
+    from .dispatch_segments import Estimate, segments
+    prefix, restarts, start = _arrays(positions, window, stats)
+    return Estimate(segments(cuts, owners), prefix, restarts, start, len(owners), window)
+
+
+SOLVERS = ("auto", "chunks", "segments", "work")
 
 
 def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None,
@@ -293,8 +310,10 @@ def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None
     """The dispatch of a batch whose global ``positions`` (B, L) are packed (None for rows without restarts, which
     keep plain zigzag, or one rank). ``per_rank``: force the chunks per rank of the equal-chunk deal; default: the
     candidate with the lowest predicted slowest-rank cost. ``solver``: "chunks" = equal chunks, m per rank (work +
-    PIECE_COST per piece); "segments" = those deals with their boundaries moved (dispatch_segments.py); "auto" (the
-    default) = whichever of all these the fitted time model (MS_PER_ELEM ...) predicts fastest."""
+    PIECE_COST per piece); "segments" = those deals with their boundaries moved (dispatch_segments.py) to balance
+    the predicted rank time (work + pieces + ring steps, MS_PER_ELEM ...); "auto" (the default) = the fastest
+    predicted of these and the equal deals as they are; "work" = the first default (equal deals as they are or with
+    boundaries moved by work alone), kept to compare with."""
     if solver not in SOLVERS:
         raise ValueError(f"plan_dispatch(solver={solver!r}): must be one of {SOLVERS}")
     from .sharding import packed_rows
@@ -359,26 +378,36 @@ def _plan(key, length, world, window, per_rank, positions, solver="auto") -> Dis
 
 
 def _pick_segments(positions, length, world, window, tried, stats, solver):
-    """(cuts, owners) of the fastest predicted deal: every per-m best equal-chunk deal, with its boundaries moved by
-    dispatch_segments.refine and (solver="auto") as is."""
-    from .dispatch_segments import refine, segments, to_table
-    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), stats[0].cumsum(0)]).numpy()
+    """(cuts, owners) of the deal with the lowest predicted slowest-rank time (work + pieces + ring steps): every
+    per-m best equal-chunk deal (solver="auto"), and each with its boundaries moved by dispatch_segments.refine:
+    balancing work alone, then from there time, and time from the start (fewer moves, pieces kept together)."""
+    from .dispatch_segments import Estimate, refine, segments, to_table
+    prefix, restarts, start = _arrays(positions, window, stats)
     tile = tile_of(length, world)
+
+    def times(segs):
+        return Estimate(segs, prefix, restarts, start, world, window).time(STEP_TIME)
+
     per_m = {}
     for p in tried:  # the best equal-chunk deal of each m, by the time model
         cuts = tuple(range(0, length + 1, length // (world * p.per_rank)))
-        t = max(estimate(positions, cuts, p.owners, window, stats).time(STEP_TIME))
+        t = max(times(segments(cuts, p.owners)))
         if p.per_rank not in per_m or t < per_m[p.per_rank][0]:
             per_m[p.per_rank] = (t, cuts, p.owners)
     options = []
     for m, (t, cuts, owners) in sorted(per_m.items()):
-        if solver == "auto":
-            options.append((t, m, 0, cuts, owners))
-        segs = refine(segments(cuts, owners), prefix, world, tile)
-        cuts2, owners2 = to_table(segs, world)
-        options.append((max(estimate(positions, cuts2, owners2, window, stats).time(STEP_TIME)), m, 1, cuts2, owners2))
+        segs = segments(cuts, owners)
+        if solver in ("auto", "work"):
+            options.append((t, m, 0, segs))
+        by_work = refine(segs, prefix, world, tile)
+        options.append((max(times(by_work)), m, 1, by_work))
+        if solver == "work":  # the first segment solver: boundaries moved by work alone (kept for bench_packed)
+            continue
+        for i, first in enumerate((by_work, segs)):
+            out = refine(first, prefix, world, tile, times=times, piece=PIECE_TIME)
+            options.append((max(times(out)), m, 2 + i, out))
     best = min(options, key=lambda o: o[:3])
-    return best[3], best[4]
+    return to_table(best[3], world)
 
 
 def _hash(key: bytes) -> str:

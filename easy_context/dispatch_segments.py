@@ -53,25 +53,52 @@ def _normalise(segs):
     return out
 
 
-def refine(segs, prefix: np.ndarray, world: int, tile: int, iters: int = 400) -> list[list[int]]:
-    """Lower the largest rank cost of ``segs`` by token-preserving boundary cycles. ``prefix``: (L + 1,) cumulative
-    token cost."""
-    segs = _normalise(segs)
+def loads(segs, prefix, world: int) -> np.ndarray:
+    """Per-rank work (sum of the token costs of its segments)."""
     load = np.zeros(world)
     for s0, s1, r in segs:
         load[r] += prefix[s1] - prefix[s0]
+    return load
+
+
+def _rank_key(t, quantum):
+    """Descending per-rank times, quantised: a move is kept only when it lowers this tuple (lexicographic), which
+    rules out cycles and float ties."""
+    return tuple(int(v // quantum) for v in sorted(t, reverse=True))
+
+
+def _apply(segs, d, shifts):
+    new = [list(x) for x in segs]
+    for b, sign in shifts:  # boundary b (between segs[b] and segs[b+1]) moves by sign * d
+        new[b][1] += sign * d
+        new[b + 1][0] += sign * d
+    return _normalise(new)
+
+
+def refine(segs, prefix: np.ndarray, world: int, tile: int, iters: int = 400, times=None, piece: float = 0.0,
+           top: int = 8) -> list[list[int]]:
+    """Lower the slowest rank of ``segs`` by token-preserving boundary cycles. ``prefix``: (L + 1,) cumulative token
+    cost. ``times``: segs -> per-rank predicted time (default: work alone). The slowest rank's moves are ranked by
+    their work change (a move that empties a segment credited ``piece``, the kernel piece it saves); the ``top`` of
+    them are priced exactly by ``times`` (pieces and ring steps change with the boundaries, also on other ranks)
+    and the best kept if it lowers the sorted rank times."""
+    segs = _normalise(segs)
+    times = times or (lambda s: loads(s, prefix, world))
+    cur = np.asarray(times(segs), dtype=float)
+    quantum = 1e-7 * max(float(cur.max()), 1e-30)
     for _ in range(iters):
-        move = _best_move(segs, prefix, load, tile)
-        if move is None:
+        best, best_key = None, _rank_key(cur, quantum)
+        for three in (False, True):  # 3-cycles only when no 2-cycle helps
+            for d, shifts in _moves(segs, prefix, cur, tile, three, piece)[:top]:
+                new = _apply(segs, d, shifts)
+                t = np.asarray(times(new), dtype=float)
+                if _rank_key(t, quantum) < best_key:
+                    best, best_key = (new, t), _rank_key(t, quantum)
+            if best is not None:
+                break
+        if best is None:
             break
-        d, shifts = move
-        for b, sign in shifts:  # boundary b (between segs[b] and segs[b+1]) moves by sign * d
-            segs[b][1] += sign * d
-            segs[b + 1][0] += sign * d
-        segs = _normalise(segs)
-        load[:] = 0
-        for s0, s1, r in segs:
-            load[r] += prefix[s1] - prefix[s0]
+        segs, cur = best
     return segs
 
 
@@ -101,28 +128,32 @@ def _options(segs, prefix, tile, who, give: bool):
     return out
 
 
-def _best_move(segs, prefix, load, tile):
+def _moves(segs, prefix, load, tile, three: bool, piece: float):
+    """Candidate cycles off the slowest rank a, best first by the largest resulting load of the ranks they touch
+    (work change only, less ``piece`` when a segment empties): per (give, take) edge pair the best d and the
+    largest d (which empties a segment). [(d, ((boundary, sign), ...))]."""
     a = int(np.argmax(load))
     la = load[a]
     gives = _options(segs, prefix, tile, a, True)
     takes = _options(segs, prefix, tile, a, False)
-    best = (la * (1 - 1e-9), None)
+    out = []
 
     def consider(obj, cap, shifts):
-        nonlocal best
         obj = obj[:cap]
         i = int(np.argmin(obj))
-        if obj[i] < best[0]:
-            best = (float(obj[i]), ((i + 1) * tile, shifts))
+        out.append((float(obj[i]), (i + 1) * tile, shifts))
+        if i + 1 < cap:
+            out.append((float(obj[cap - 1]) - piece, cap * tile, shifts))
 
-    for bg, sg, x, g, cg in gives:  # 2-cycles: to x at one edge, back from x at another
-        for bt, st, x2, t, ct in takes:
-            if x2 != x or bt == bg:
-                continue
-            cap = min(cg, ct)
-            new_a = la - g[:cap] + t[:cap]
-            consider(np.maximum(new_a, load[x] + la - new_a), cap, ((bg, sg), (bt, st)))
-    if best[1] is None:  # 3-cycles: to x, x hands on to y, back from y
+    if not three:  # 2-cycles: to x at one edge, back from x at another
+        for bg, sg, x, g, cg in gives:
+            for bt, st, x2, t, ct in takes:
+                if x2 != x or bt == bg:
+                    continue
+                cap = min(cg, ct)
+                new_a = la - g[:cap] + t[:cap]
+                consider(np.maximum(new_a, load[x] + la - new_a), cap, ((bg, sg), (bt, st)))
+    else:  # 3-cycles: to x, x hands on to y, back from y
         for bg, sg, x, g, cg in gives:
             for bh, sh, y, h, ch in _options(segs, prefix, tile, x, True):
                 if y == a or bh == bg:
@@ -134,7 +165,8 @@ def _best_move(segs, prefix, load, tile):
                     new_a = la - g[:cap] + t[:cap]
                     obj = np.maximum(np.maximum(new_a, load[x] + g[:cap] - h[:cap]), load[y] + h[:cap] - t[:cap])
                     consider(obj, cap, ((bg, sg), (bh, sh), (bt, st)))
-    return best[1]
+    out.sort(key=lambda o: o[0])  # stable: ties keep boundary order (deterministic)
+    return [(d, shifts) for obj, d, shifts in out if obj < la]
 
 
 class Estimate:
@@ -169,4 +201,4 @@ class Estimate:
         return max(self.work) / (sum(self.work) / len(self.work))
 
 
-__all__ = ["segments", "to_table", "refine", "Estimate"]
+__all__ = ["segments", "to_table", "refine", "loads", "Estimate"]

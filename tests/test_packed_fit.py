@@ -1,0 +1,47 @@
+"""bench/packed_fit.py (bench_packed.py --fit): the time model's constants come back from synthetic per-rank times."""
+import json
+
+import numpy as np
+
+from bench import packed_fit
+
+
+def _rows(consts, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for L in (131072, 524288):
+        for layout in range(6):
+            ring = layout < 2
+            ranks = []
+            for _ in range(8):
+                c = dict(causal=float(rng.uniform(5e6, 2e9) * L / 131072), rect=float(rng.uniform(1e6, 1e9)),
+                         pieces=int(rng.integers(4, 50)), launches=3, steps=int(rng.integers(1, 9)), ring=ring,
+                         tokens=L // 8)
+                f = dict(zip(packed_fit.FEATURES, packed_fit.features(c)))
+                c["ms"] = sum(consts[k] * f[k] for k in consts) * (1 + noise * rng.standard_normal())
+                ranks.append(c)
+            rows.append(dict(L=L, layout=f"layout {layout}", ranks=ranks))
+    return rows
+
+
+def test_fit_recovers_constants(tmp_path, capsys):
+    want = dict(Melem=0.097, pieces=0.3, extra_steps=0.1, ring_step_16K=0.9, tokens_16K=0.2)
+    path = tmp_path / "bench_packed.json"
+    path.write_text(json.dumps(dict(rows=_rows(want))))
+    got = packed_fit.main(str(path))
+    for k, v in want.items():
+        assert abs(got[k] - v) < 1e-6 * max(v, 1), (k, got[k], v)
+    assert "|rel err|" in capsys.readouterr().out
+    got, res = packed_fit.fit(_rows(want, noise=0.02))  # 96 noisy points: within a few % of the truth
+    assert abs(got["Melem"] / want["Melem"] - 1) < 0.05 and abs(got["pieces"] / want["pieces"] - 1) < 0.2
+    assert len(res) == 96
+
+
+def test_fit_from_slowest_and_mean_only():
+    want = dict(Melem=0.097, pieces=0.3, extra_steps=0.1, ring_step_16K=0.9, tokens_16K=0.2)
+    rows = _rows(want)
+    for r in rows:  # an older run: layout-level numbers only
+        ms = [c.pop("ms") for c in r["ranks"]]
+        r.update(slowest_rank_ms=max(ms), max_over_mean=max(ms) / np.mean(ms))
+    got, res = packed_fit.fit(rows)
+    assert len(res) == 2 * len(rows) and all(abs(float(x["rel_err"])) < 0.02 for x in res), res
