@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3 (every parameter partitioned) with the parallel recurrent paths (issue #30): gated DeltaNet
 (qwen3_next), the short conv (lfm2) and Mamba-2 (nemotron_h) under zigzag at W = 2 on packed rows whose document
-starts differ between the ranks (and so do the ranks' pieces): loss and every full gradient equal one process
-(each document alone) within 1e-5 (fp32). DeepSpeed on CPU over gloo (first run JIT-builds ~20 s)."""
+starts differ between the ranks (and so do the ranks' pieces), with and without layer checkpointing: loss and
+every full gradient equal one process (each document alone) within 1e-5 (fp32); dropping the exchange fails. DeepSpeed on CPU over gloo (first run JIT-builds ~20 s)."""
 from __future__ import annotations
 
 import copy
@@ -37,16 +37,17 @@ def _count_parallel_runs():
     return runs
 
 
-def _step(rank, world_size, family, ref, ids, pos, tgt):
+def _step(rank, world_size, family, ref, ids, pos, tgt, checkpointing="none"):
     """(loss summed over ranks, {name: full gradient}) of one ZeRO-3 step of the patched copy of ``ref``."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
 
     from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
-    from easy_context.memory import causal_lm_loss
+    from easy_context.memory import causal_lm_loss, configure_memory
     model = copy.deepcopy(ref)
     apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    configure_memory(model, checkpointing)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                       config=DS_CFG)
     assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in engine.module.parameters()), "not partitioned"
@@ -78,13 +79,14 @@ def _body(rank, world_size):
         ref = build_hybrid(family)
         ids, _, tgt = make_batch(2, 32, ref.config.vocab_size, seed=5)
         _, ref_loss, ref_grads = per_document_reference(copy.deepcopy(ref), ids, pos, tgt)
-        n = runs["n"]
-        loss, grads = _step(rank, world_size, family, ref, ids, pos, tgt)
-        assert runs["n"] > n, f"{family}: no parallel recurrent path ran"
-        assert_close(loss, ref_loss, REL, f"[zero3 {family}] loss")
-        for name, g in grads.items():
-            assert g is not None, f"[zero3 {family}] no grad for {name}"
-            assert_close(g, ref_grads[name], REL, f"[zero3 {family}] grad {name}")
+        for ck in ("none", "layer"):  # "layer": the recompute in backward runs the exchanges again
+            n, tag = runs["n"], f"[zero3 {family} checkpointing={ck}]"
+            loss, grads = _step(rank, world_size, family, ref, ids, pos, tgt, ck)
+            assert runs["n"] > n, f"{tag} no parallel recurrent path ran"
+            assert_close(loss, ref_loss, REL, f"{tag} loss")
+            for name, g in grads.items():
+                assert g is not None, f"{tag} no grad for {name}"
+                assert_close(g, ref_grads[name], REL, f"{tag} grad {name}")
         os.environ[DROP_STATE_ENV] = "1"  # the mutation: the exchange dropped -> some gradient must differ
         try:
             loss, grads = _step(rank, world_size, family, ref, ids, pos, tgt)
