@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-3 (every parameter partitioned) with the parallel recurrent paths (issue #30): gated DeltaNet
 (qwen3_next), the short conv (lfm2) and Mamba-2 (nemotron_h) under zigzag at W = 2 on packed rows whose document
 starts differ between the ranks (and so do the ranks' pieces), with and without layer checkpointing: loss and
-every full gradient equal one process (each document alone) within 1e-5 (fp32); dropping the exchange fails. DeepSpeed on CPU over gloo (first run JIT-builds ~20 s)."""
+every full gradient equal one process (each document alone) within 1e-5 (fp32); dropping the exchange fails.
+DeepSpeed on CPU over gloo (first run JIT-builds ~20 s)."""
 from __future__ import annotations
 
 import copy
