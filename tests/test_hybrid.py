@@ -247,8 +247,8 @@ def _hybrid_toy(base: str, family: str) -> dict:
 
 @pytest.mark.slow
 def test_train_py_hybrid_zigzag_equals_one_process(tmp_path):
-    """train.py end to end on CPU (float32, Accelerate's DDP over gloo: DeepSpeed ZeRO-3 is refused for these
-    layers for now, zero3.py): a gated-DeltaNet hybrid on packed documents, zigzag on 2 ranks, gives the loss curve
+    """train.py end to end on CPU (float32, Accelerate's DDP over gloo; ZeRO-3 is covered by
+    tests/test_hybrid_zero3.py): a gated-DeltaNet hybrid on packed documents, zigzag on 2 ranks, gives the loss curve
     of one process (data_parallel, which resets the state at the same document starts)."""
     import os
     import subprocess

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import Plan
-from .zero3 import gathered
+from .zero3 import gather_direct, gathered
 
 # test hook (the mutation the tests run): "1" replaces every state received from another rank by zeros, i.e.
 # drops the state exchange; the equivalence test must then fail.
@@ -145,6 +145,7 @@ def _backward_chain(plan, adapter, layer, x, d_out, states_in, params, d_x, d_pa
 
 def run_layer(plan: Plan, adapter, layer, x: torch.Tensor) -> torch.Tensor:
     """The layer's output for this rank's tokens, exact for the global sequence (forward and backward)."""
+    gather_direct(layer)  # ZeRO-3: conv weights read outside the conv's forward (zero3.py)
     params = [p for p in layer.parameters() if p.requires_grad]
     fast = getattr(adapter, "run_plan", None)  # an adapter with its own parallel path (Mamba-2: mamba2_parallel.py)
     out = fast(plan, layer, x) if fast is not None and not plan.single else None
@@ -152,7 +153,7 @@ def run_layer(plan: Plan, adapter, layer, x: torch.Tensor) -> torch.Tensor:
         return out
     if plan.single:  # one process (data_parallel resets, an sp mode on one rank): plain autograd, ZeRO-3 too
         return chain_forward(plan, adapter, layer, x)[0]
-    with gathered(layer):  # ZeRO-3 across ranks: refused (zero3.py)
+    with gathered(layer):  # ZeRO-3 across ranks: refused for the chain (zero3.py)
         if not torch.is_grad_enabled() or not (x.requires_grad or params):  # no backward: the forward chain only
             return chain_forward(plan, adapter, layer, x)[0]
         return _Chain.apply(plan, adapter, layer, x, *params)

@@ -1,47 +1,70 @@
 """Short-convolution layers (lfm2's Lfm2ShortConv) under sequence parallelism without the serial chain.
 
 Such a layer carries no recurrent state: what crosses a piece boundary is only the conv window, the last K-1 conv
-inputs before the piece, and those are a function of the previous pieces' own tokens. So every rank computes its
-pieces' tails at once — the layer's own forward (cache_adapter.py) on each piece's last K-1 tokens from an empty
-window, whose outgoing window is exactly those inputs (zero before a document start) — publishes them, composes
-each piece's window (exchange.compose_windows) and runs the piece through the layer's forward with it. One
-exchange of B x channels x (K-1) values per piece, forward and backward; K-1 extra tokens of work per piece."""
+inputs (B * x) before the piece, and those are a function of the previous pieces' own tokens. So every rank runs
+in_proj once on all its tokens, publishes each piece's tail (exchange.conv_tail: zero before the piece's last
+document start), composes each piece's window (exchange.compose_windows), runs the depthwise causal conv per piece
+with it (mamba2.causal_conv: a tap across a document start reads zero), and out_proj once on all its tokens.
+One submodule call each per rank whatever its pieces (DeepSpeed ZeRO-3's gathers pair up: zero3.py); one
+exchange of B x channels x (K-1) values per piece, forward and backward."""
 from __future__ import annotations
+
+import inspect
 
 import torch
 
-from .exchange import anchor, compose_windows, publish, serial_requested
+from .exchange import anchor, compose_windows, conv_tail, publish, serial_requested
+from .mamba2 import causal_conv, segment_ids
+
+_KNOWN: dict = {}
+
+
+def supports(layer) -> bool:
+    """Does the installed forward compute in_proj -> (B, C, x) channels first -> C * conv(B * x) -> out_proj, the
+    conv read from ``layer.conv`` (transformers 5.24's Lfm2ShortConv)? If not, the serial chain runs."""
+    cls = type(layer)
+    if cls not in _KNOWN:
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            src = ""
+        _KNOWN[cls] = all(n in src for n in ("self.in_proj(hidden_states).transpose(-1, -2)", ".chunk(3, dim=-2)",
+                                             "B * x", "self.conv.weight", "C * hidden_states", "self.out_proj("))
+    return _KNOWN[cls]
 
 
 def run_plan(adapter, plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     """The layer's output for this rank's tokens, exact for the global sequence; None (serial chain) when
-    ``serial_requested``."""
-    if serial_requested(layer):
+    ``serial_requested`` or the installed layer is not the one written for."""
+    if serial_requested(layer) or not supports(layer):
         return None
     pieces, me = plan.pieces, plan.me
-    mine = [i for i, p in enumerate(pieces) if p.owner == me]
-    zero = adapter.zero_state(layer, x.shape[0], x.dtype, x.device)
-    width = zero[0].shape[-1]
+    mine = sorted((i for i, p in enumerate(pieces) if p.owner == me), key=lambda i: pieces[i].offset)
+    conv = layer.conv
+    width = conv.kernel_size[0] - 1
+    gate_b, gate_c, xs = layer.in_proj(x).transpose(-1, -2).chunk(3, dim=-2)
+    bx = gate_b * xs  # (B, channels, T): the conv input
 
-    def resets(i, lo, hi):
-        return None if plan.resets is None else plan.resets[:, lo:hi]
-
-    tails = {}
-    for i in mine:
+    def resets(i):
         p = pieces[i]
-        lo = p.offset + max(0, p.length - width)
-        _, (window,) = adapter.run_chunk(layer, x[:, lo:p.offset + p.length], zero, resets(i, lo, p.offset + p.length))
-        r = resets(i, p.offset, p.offset + p.length)
-        passes = torch.ones(x.shape[0], device=x.device) if r is None else (~r.any(-1)).float().expand(x.shape[0])
-        tails[i] = (window, passes.contiguous())
-    tails = publish(plan, (zero[0], torch.empty(x.shape[0], dtype=torch.float32, device=x.device)), tails)
+        return None if plan.resets is None else plan.resets[:, p.offset:p.offset + p.length]
+
+    def local(i):
+        p = pieces[i]
+        return bx[..., p.offset:p.offset + p.length]
+
+    like = (torch.empty(x.shape[0], bx.shape[1], width, dtype=bx.dtype, device=x.device),
+            torch.empty(x.shape[0], dtype=torch.float32, device=x.device))
+    tails = publish(plan, like, {i: conv_tail(local(i), resets(i), width) for i in mine})
     windows = compose_windows(plan, tails, width)
-    outs = {}
+    outs = []
     for i in mine:
-        p = pieces[i]
-        outs[p.offset] = adapter.run_chunk(layer, x[:, p.offset:p.offset + p.length], (windows[i],),
-                                           resets(i, p.offset, p.offset + p.length))[0]
-    return anchor(torch.cat([outs[k] for k in sorted(outs)], dim=1), plan, tails)
+        seg = segment_ids(resets(i), x.shape[0], pieces[i].length, x.device)
+        out, _ = causal_conv(local(i).transpose(1, 2), windows[i].transpose(1, 2), conv.weight.squeeze(1), conv.bias,
+                             None, seg)
+        outs.append(out)
+    y = gate_c * torch.cat(outs, dim=1).transpose(1, 2)
+    return anchor(layer.out_proj(y.transpose(-1, -2).contiguous()), plan, tails)
 
 
-__all__ = ["run_plan"]
+__all__ = ["run_plan", "supports"]

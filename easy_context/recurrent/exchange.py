@@ -21,10 +21,8 @@ SERIAL_ENV = "EASY_CONTEXT_RECURRENT_SERIAL"
 
 
 def serial_requested(layer) -> bool:
-    """True when the parallel path must not run: ``EASY_CONTEXT_RECURRENT_SERIAL=1``, or DeepSpeed ZeRO-3
-    parameters (gathered by per-module hooks that must run alike on every rank: the chain gathers the layer once
-    and refuses across ranks, zero3.py)."""
-    return os.environ.get(SERIAL_ENV) == "1" or any(hasattr(p, "ds_id") for p in layer.parameters())
+    """True when the parallel path must not run: ``EASY_CONTEXT_RECURRENT_SERIAL=1`` (comparisons, benches)."""
+    return os.environ.get(SERIAL_ENV) == "1"
 
 
 class _Publish(torch.autograd.Function):

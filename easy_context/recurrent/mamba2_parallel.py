@@ -33,23 +33,23 @@ SERIAL_ENV = "EASY_CONTEXT_MAMBA2_SERIAL"
 def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     """The mixer's output for this rank's tokens (b, S_local, d), exact for the global sequence. None (the caller
     then runs the serial chain) with ``EASY_CONTEXT_MAMBA2_SERIAL=1`` or ``EASY_CONTEXT_RECURRENT_SERIAL=1``
-    (comparisons) and under DeepSpeed ZeRO-3:
-    its partitioned parameters are gathered by per-module hooks that must run alike on every rank, and ranks may
-    hold different numbers of pieces (the chain gathers the layer once: chain.py, zero3.py)."""
+    (comparisons). in_proj, norm and out_proj run once on all local tokens, whatever pieces this rank holds (so
+    DeepSpeed ZeRO-3's per-module gathers pair up across ranks: zero3.py)."""
     if os.environ.get(SERIAL_ENV) == "1" or serial_requested(layer):
         return None
     me, pieces = plan.me, plan.pieces
     mine = [i for i, p in enumerate(pieces) if p.owner == me]
     b, K, dtype = x.shape[0], layer.conv_kernel_size, x.dtype
     H, P, N = layer.num_heads, layer.head_dim, layer.ssm_state_size
+    gate_all, xBC_all, dt_all = _in_proj(layer, x).split([layer.intermediate_size, layer.conv_dim, layer.num_heads],
+                                                         dim=-1)
     parts, tails = {}, {}
     for i in mine:
         p = pieces[i]
         resets = None if plan.resets is None else plan.resets[:, p.offset:p.offset + p.length]
         seg = segment_ids(resets, b, p.length, x.device)
-        gate, xBC, dt = _in_proj(layer, x[:, p.offset:p.offset + p.length]).split(
-            [layer.intermediate_size, layer.conv_dim, layer.num_heads], dim=-1)
-        parts[i] = (gate, xBC, dt, seg)
+        xBC = xBC_all[:, p.offset:p.offset + p.length]
+        parts[i] = (xBC, dt_all[:, p.offset:p.offset + p.length], seg)
         # tail: this piece's last K-1 inputs, right-aligned, zero before its last document start
         tail = F.pad(xBC[:, -(K - 1):], (0, 0, max(0, K - 1 - p.length), 0))
         keep = torch.ones(b, K - 1, dtype=torch.bool, device=x.device)
@@ -59,14 +59,14 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
             keep = seg_t == seg[:, -1:].expand(b, -1)
             passes = (seg[:, -1] == 0).float().expand(b).contiguous()  # the state before the piece gets through
         tails[i] = (tail * keep.unsqueeze(-1).to(tail.dtype), passes)
-    like = (torch.empty(b, K - 1, layer.conv_dim, dtype=parts[mine[0]][1].dtype, device=x.device),
+    like = (torch.empty(b, K - 1, layer.conv_dim, dtype=xBC_all.dtype, device=x.device),
             torch.empty(b, dtype=torch.float32, device=x.device))
     tails = publish(plan, like, tails)
 
     outs, summary, local_out = {}, {}, {}
     A = -torch.exp(layer.A_log.float())
     for i in mine:
-        gate, xBC, dt, seg = parts[i]
+        xBC, dt, seg = parts[i]
         window = _window(pieces, tails, i, K, like[0])
         xBC, _ = causal_conv(xBC, window, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation, seg)
         L = xBC.shape[1]
@@ -86,7 +86,7 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
             reach = reach * (seg == 0).unsqueeze(-1).to(reach.dtype)  # tokens before the first document start
         passes = tails[i][1]
         summary[i] = (final0, torch.exp(acum[:, -1]) * passes[:, None])
-        local_out[i] = (y0, C, reach, gate)
+        local_out[i] = (y0, C, reach)
     like2 = (torch.empty(b, H, P, N, dtype=torch.float32, device=x.device),
              torch.empty(b, H, dtype=torch.float32, device=x.device))
     summary = publish(plan, like2, summary)
@@ -98,11 +98,11 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
         final0, trans = summary[i]
         state = final0 + trans[..., None, None] * state
     for i in mine:
-        y0, C, reach, gate = local_out[i]
+        y0, C, reach = local_out[i]
         y = y0 + torch.einsum("blhn,bhpn->blhp", C, starts[i]) * reach[..., None]
-        outs[pieces[i].offset] = layer.out_proj(_gated_norm(layer, y.reshape(b, y.shape[1], -1), gate).to(dtype))
-    out = torch.cat([outs[k] for k in sorted(outs)], dim=1)
-    return anchor(out, plan, tails, summary)
+        outs[pieces[i].offset] = y.reshape(b, y.shape[1], -1)
+    y = torch.cat([outs[k] for k in sorted(outs)], dim=1)
+    return anchor(layer.out_proj(_gated_norm(layer, y, gate_all).to(dtype)), plan, tails, summary)
 
 
 def _window(pieces, tails, i, K, like):
