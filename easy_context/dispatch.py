@@ -470,6 +470,11 @@ def table_of(local: torch.Tensor | None, mode) -> "Dispatch | None":
     if local is None or not mode.dispatches:
         return None
     table = getattr(local, DISPATCH_ATTR, None)
+    if table is None and getattr(local, "_base", None) is not None:
+        # a view of the tensor prepare_seq_parallel_inputs returned (Qwen3.5 expands it to its 4 rope rows and takes
+        # row 0): the table rides on the base. Found this way even when several prepared micro-batches share these
+        # local values but not their table (train.py prepares a step's micro-batches before running them).
+        table = getattr(local._base, DISPATCH_ATTR, None)
     if table is None and _RECENT:
         table = _RECENT.get((mode.name, _local_key(local)))
     return table

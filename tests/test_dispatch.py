@@ -296,3 +296,21 @@ def test_plan_reports_the_dispatch():
     assert ratio[-1] < ratio[0], ratio  # (m is the cost model's pick: short rows favour fewer kernel pieces)
     text = packed_report(65536, 8, 32, 128, 600.0, 1500, 1.5)
     assert "dispatch" in text and "ideal (sum / W)" in text
+
+
+def test_a_view_of_the_prepared_positions_finds_its_own_table_not_a_later_one():
+    """train.py prepares a step's micro-batches before running them: two of them may give a rank the same local
+    position values under different tables. A view of the prepared tensor (Qwen3.5 expands it to its rope rows and
+    takes row 0) finds its own table through its base, not the table remembered last for those values."""
+    from easy_context import dispatch as dispatch_mod
+    from easy_context.registry import get_mode
+    mode = get_mode("zigzag_ring_attn")
+    local = torch.arange(8)[None]
+    first, second = Dispatch(16, ((0,), (1,))), Dispatch(16, ((0, 3), (1, 2)))
+    setattr(local, DISPATCH_ATTR, first)
+    dispatch_mod.remember(local, first, mode.name)
+    dispatch_mod.remember(local.clone(), second, mode.name)  # the next micro-batch: same values, another table
+    view = local[None, ...].expand(4, 1, -1)[0]
+    assert dispatch_mod.table_of(view, mode) is first
+    assert dispatch_mod.table_of(local.clone(), mode) is second  # a copy can only go by value: the latest
+    dispatch_mod._RECENT.clear()
