@@ -107,6 +107,8 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
         local = shard_sequence(mode, t, rank, world_size, dim=-1, positions=position_ids, **kw).to(device)
         if local is t:  # never tag the caller's own tensor (data_parallel / one rank return it as is)
             local = local.view_as(local)
+        elif table is not None and local._base is not None:  # a base of its own: views of it find the table there
+            local = local.clone()
         setattr(local, LAYOUT_ATTR, tag)
         if table is not None:
             setattr(local, DISPATCH_ATTR, table)

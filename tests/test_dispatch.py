@@ -305,7 +305,7 @@ def test_a_view_of_the_prepared_positions_finds_its_own_table_not_a_later_one():
     from easy_context import dispatch as dispatch_mod
     from easy_context.registry import get_mode
     mode = get_mode("zigzag_ring_attn")
-    local = torch.arange(8)[None]
+    local = torch.arange(8)[None].clone()  # as prepare_seq_parallel_inputs returns it: no base of its own
     first, second = Dispatch(16, ((0,), (1,))), Dispatch(16, ((0, 3), (1, 2)))
     setattr(local, DISPATCH_ATTR, first)
     dispatch_mod.remember(local, first, mode.name)
