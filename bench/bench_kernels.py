@@ -183,7 +183,8 @@ def main():
         for packed in (False, True):
             wrows += _windowed_rows(args.window_length, args.window, args.heads, args.head_dim, packed)
         print(f"\n## Sliding window {args.window}, fwd+bwd, {args.heads} heads x {args.head_dim}, bf16, "
-              f"backend {kernels.choose_backend(torch.empty(1, 1, 1, args.head_dim, device='cuda', dtype=torch.bfloat16))}\n")
+              f"backend {kernels.choose_backend(torch.empty(1, 1, 1, args.head_dim, device='cuda', dtype=torch.bfloat16))}"
+              "\n")
         print(table(wrows, ["L", "window", "row", "path", "ms", "useful_TFLOPs", "vs_default"]))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_kernels.json"), "w") as f:

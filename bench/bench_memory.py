@@ -355,9 +355,11 @@ def main():
     ap.add_argument("--selective-layers", type=int, default=None,
                     help="ours keeps the attention output of this many layers only (those recomputed most)")
     ap.add_argument("--auto", action="store_true",
-                    help="ours: offload k and selective layers chosen from free GPU memory and --host-gib (memory/auto.py)")
+                    help="ours: offload k and selective layers chosen from free GPU memory and --host-gib "
+                    "(memory/auto.py)")
     ap.add_argument("--timeline", action="store_true",
-                    help="ours: CUDA-event timeline of the offload copies, compute and stalls ($OUT/offload_trace_L.json)")
+                    help="ours: CUDA-event timeline of the offload copies, compute and stalls "
+                    "($OUT/offload_trace_L.json)")
     ap.add_argument("--recompute-nested", action="store_true",
                     help="inner layers of a nested group recompute attention twice (the pre-2026-12-04 behaviour)")
     ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean (fused) RMSNorm")

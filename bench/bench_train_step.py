@@ -206,7 +206,8 @@ def mistral_window(args):
         require_cuda()
     one_rank_group()
     model = build_model(mistral7b_config(args.mistral_window, args.tiny), device)
-    print(env_line() if not args.tiny else "cpu", f"| Mistral-7B shape, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B",
+    n_params = sum(p.numel() for p in model.parameters()) / 1e9
+    print(env_line() if not args.tiny else "cpu", f"| Mistral-7B shape, {n_params:.2f}B",
           flush=True)
     rows = []
     for L in args.lengths:

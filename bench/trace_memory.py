@@ -90,7 +90,8 @@ def run(args, L):
     torch.manual_seed(0)
     model = build_model(cfg, torch.device("cpu"))
     model.to(torch.bfloat16)
-    ns = argparse.Namespace(checkpointing=args.checkpointing, every_k=1, selective_layers=None, host_gib=1e9, probe_host_gib=1e9,
+    ns = argparse.Namespace(checkpointing=args.checkpointing, every_k=1, selective_layers=None, host_gib=1e9,
+                            probe_host_gib=1e9,
                             tiles="auto", selective=args.selective, no_lean_norm=args.no_lean_norm,
                             no_fused_rope=args.no_fused_rope)
     configure(model, args.config, L, ns)
