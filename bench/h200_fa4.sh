@@ -15,7 +15,8 @@
 #   bash bench/h200_fa4.sh mistral   # Mistral-7B-shape step at 128K: sliding window 4096 vs full attention
 #   bash bench/h200_fa4.sh hybrid    # carry .tf524 (transformers 5.24 wheel): bench_hybrid at 32K and 128K (one layer)
 #   bash bench/h200_fa4.sh timeline  # bench_memory --auto --timeline at 128K: offload copies vs compute, stalls
-#   bash bench/h200_fa4.sh m512-start    # one real 7B fwd+bwd at 512K, detached (setsid: it outlives the call,
+#   bash bench/h200_fa4.sh m512-start [N]  # N (default 1) real 7B fwd+bwd at 512K in one process (--auto: k and
+#                                    # selective layers from the budgets), detached (setsid: it outlives the call,
 #   bash bench/h200_fa4.sh m512-wait N   #   ~10 min, over one call's limit); wait up to N s, copy its log to $OUT
 # install also installs .whl/ (deepspeed, datasets: bash ../shared/tools/device_wheels.sh ds) when carried.
 # Wheels: bash ../shared/tools/device_wheels.sh fa4 (fills .fa4a/.fa4b, both git-ignored).
@@ -76,10 +77,10 @@ case "${1:-}" in
     python3 bench/bench_lora.py 2>&1 | grep -v Warn | tee "$OUT/lora.log" | tail -10 ;;
   m512-start)
     # 512K: layer inputs offloaded one per 2 layers (64 GiB pinned host memory: 128 GiB would not fit the host);
-    # the 7 layers recomputed most keep their attention output (~4 GiB each) in the GPU memory left over.
+    # as many layers as the GPU memory left over holds keep their attention output (~4 GiB each): memory/auto.py.
     mkdir -p /tmp/keep && rm -f /tmp/keep/m512.*
     OUT=/tmp/keep setsid nohup python3 bench/bench_memory.py --hf-lengths --off-lengths --probe-lengths \
-      --opt-length 0 --ours-lengths 524288 --host-gib 70 --selective-layers 7 --budget-s 1200 \
+      --opt-length 0 --ours-lengths 524288 --host-gib 70 --auto --repeat "${2:-1}" --budget-s 1800 \
       > /tmp/keep/m512.log 2>&1 < /dev/null & echo $! > /tmp/keep/m512.pid; echo "started pid $(cat /tmp/keep/m512.pid)" ;;
   m512-wait)
     end=$(( $(date +%s) + ${2:-500} ))

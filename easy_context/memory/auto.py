@@ -39,9 +39,10 @@ class CheckpointChoice:
 
 
 def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: float, kernel: str = "fa4",
-                         gpu: str = "h200") -> CheckpointChoice:
+                         gpu: str = "h200", margin: float = MARGIN) -> CheckpointChoice:
     """``shape``: a tools.plan Shape; ``gpu_budget``: bytes free for activations (weights and gradients already
-    counted out); ``host_budget``: bytes of host memory that may be pinned. Raises ValueError when even one kept
+    counted out); ``host_budget``: bytes of host memory that may be pinned; ``margin``: the share of the GPU budget
+    left unplanned (allocator slack, what the working-set model misses). Raises ValueError when even one kept
     input per every layer of the model does not fit the host, or the working set does not fit the GPU."""
     from ..tools.plan import gpu_constants
     from ..tools.plan.memory import attn_working_set
@@ -56,7 +57,7 @@ def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: flo
     if k > n:
         raise ValueError(f"auto checkpointing: {n} layers need at least {inp / GiB:.1f} GiB of host memory")
     work = attn_working_set(shape, kernel, "offload", T) + (k - 1) * (inp + out)
-    room = gpu_budget * (1 - MARGIN) - work
+    room = gpu_budget * (1 - margin) - work
     if room < 0:
         raise ValueError(f"auto checkpointing: one layer's backward needs ~{work / GiB:.1f} GiB at {tokens} tokens, "
                          f"more than the {gpu_budget / GiB:.1f} GiB free: use more sequence-parallel ranks")
@@ -80,7 +81,7 @@ def _host_available() -> float:
 
 
 def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host_budget: float | None = None,
-                       kernel: str | None = None, tiled_mlp=True, lean_norm: bool = True):
+                       kernel: str | None = None, tiled_mlp=True, lean_norm: bool = True, margin: float = MARGIN):
     """Choose (``choose_checkpointing``) and apply (``configure_memory``) offloaded checkpointing for ``tokens``
     local tokens. Budgets default to this process's: free GPU memory minus the bf16 gradients still to come, and
     80% of the host's MemAvailable. Returns (CheckpointChoice, MemoryConfig)."""
@@ -99,7 +100,7 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
     if kernel is None:
         from ..kernels import fa4
         kernel = "fa4" if torch.cuda.is_available() and fa4.usable(torch.cuda.current_device()) else "cudnn"
-    choice = choose_checkpointing(shape, tokens, gpu_budget, host_budget, kernel)
+    choice = choose_checkpointing(shape, tokens, gpu_budget, host_budget, kernel, margin=margin)
     cfg = configure_memory(model, "offload", offload_every_k=choice.offload_every_k, tiled_mlp=tiled_mlp,
                            selective=bool(choice.selective_layers), lean_norm=lean_norm,
                            selective_layers=choice.selective_layers or None)
