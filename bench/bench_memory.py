@@ -79,6 +79,7 @@ def configure(model, impl, L, args):
     if getattr(args, "auto", False) and impl == "ours":  # k and selective layers from the budgets (memory/auto.py)
         from easy_context.memory.auto import auto_checkpointing
         choice, cfg = auto_checkpointing(model, L, host_budget=host * 2**30, margin=args.auto_margin,
+                                         gpu_budget=None if torch.cuda.is_available() else 8 * 2**30,  # --tiny
                                          tiled_mlp="auto" if args.tiles == "auto" else int(args.tiles),
                                          lean_norm=not args.no_lean_norm)
         print("auto checkpointing:", choice.describe(), flush=True)
