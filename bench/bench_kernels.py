@@ -152,7 +152,7 @@ def _windowed_rows(L, w, heads, head_dim, packed):
               (lambda: run(full.block(idx, idx))) if full is not None else dense)]
     base = None
     for name, fn in cases:
-        ms = cuda_time_ms(fn, 1, 2)
+        ms = cuda_time_ms(fn, 2, 3)  # two warm-ups: the first-timed path read ~2x slow with one (docs/memory.md)
         base = base or ms
         flops = 4.0 * heads * head_dim * (causal_pairs if name.startswith("full") else window_pairs) * 3.5
         rows.append(dict(L=L, window=w, row="packed" if packed else "one document", path=name, ms=f"{ms:.1f}",
