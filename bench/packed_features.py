@@ -1,0 +1,151 @@
+"""Which per-rank features explain the measured rank times of bench_packed.py (issue #28 residual study, CPU only).
+
+    python bench/packed_features.py bench/results/h200_packed_dispatch_2026-12-04_run2.json
+
+Rebuilds every timed layout of the JSON (same rows and seed: bench_packed is deterministic), checks its per-rank
+counts against the stored ones, computes candidate features from each rank's kernel pieces (tile-rounded work,
+causal vs rectangle elements, launches by kind, short pieces, rows merged per piece, kv rows received) and fits
+feature sets to the measured per-rank ms (non-negative least squares on relative errors, as packed_fit.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench import bench_packed as B  # noqa: E402
+from bench.packed_fit import _solve  # noqa: E402
+from easy_context import packing  # noqa: E402
+from easy_context.kernels.documents import _group  # noqa: E402
+
+
+def tiles(nq, nk, causal, bq, bk):
+    """Kernel tiles (bq q rows x bk keys) a piece runs; a causal piece (bottom-right aligned) skips tiles above its
+    diagonal."""
+    tq, tk = -(-nq // bq), -(-nk // bk)
+    if not causal:
+        return tq * tk
+    off = nk - nq  # key j is visible to row i when j <= i + off
+    return sum(min(tk, (min(nq, (i + 1) * bq) - 1 + off) // bk + 1) for i in range(tq))
+
+
+def rank_features(blocks, recv, L, world):
+    """Candidate features of one rank from its steps' BlockDocs (``recv``: kv rows it receives)."""
+    f = dict(causal=0.0, rect=0.0, tf=0.0, tb=0.0, tf_causal=0.0, tf_rect=0.0, pieces=0, short=0, launches=0,
+             varlen=0, dense=0, rows=0.0, steps=0, recv=recv, small=0.0, deep=0.0)
+    for bd in blocks:
+        ps = bd.pieces()
+        if not ps:
+            continue
+        f["steps"] += 1
+        for qs, ks, c in ps:
+            nq, nk = qs.stop - qs.start, ks.stop - ks.start
+            f["causal" if c else "rect"] += nq * nk / 2 if c else nq * nk
+            t = tiles(nq, nk, c, 128, 128)
+            f["tf"] += t
+            f["tf_causal" if c else "tf_rect"] += t
+            f["tb"] += tiles(nq, nk, c, 64, 128)
+            f["pieces"] += 1
+            f["short"] += min(nq, nk) < 128
+            f["rows"] += nq + nk  # rows a piece reads and merges (into= accumulators, dq/dk/dv)
+            n = nq * nk / 2 if c else nq * nk
+            f["small"] += n if n < 2 ** 26 else 0  # elements of small launches (under-filled GPU, short loops)
+            f["deep"] += 0 if c else n * (nk >= 16384)  # long kv loops per q tile
+        for kind, _ in _group("fa4", ps):
+            f["launches"] += 1
+            f["varlen" if kind == "varlen" else "dense"] += 1
+    return f
+
+
+def layout_features(L, world, lens, layout):
+    docs = packing.documents(B.positions(lens))
+    if not layout.startswith("dispatch"):
+        k = int(layout.split("k=")[1])
+        out = []
+        for r in range(world):
+            blocks = [b[4] for b in B.rank_blocks(r, world, L, docs, k)]
+            f = rank_features(blocks, (world - 1) * L // world, L, world)
+            f["ring"] = 1
+            out.append(f)
+        return out
+    m = ("old" if "old pick" in layout else "prev" if "work-balanced" in layout else "new" if "time-balanced" in
+         layout else int(layout.split("m=")[1]))
+    d, plan = B.dispatch_layout(lens, L, world, m)
+    out = []
+    for r in range(world):
+        f = rank_features([bd for _, _, bd in B.dispatch_blocks(r, plan)], plan.received_tokens(r), L, world)
+        f["ring"] = 0
+        out.append(f)
+    return out
+
+
+def columns(f, tokens):
+    """Regressors (ms-scale units) of a rank: M elements, k tiles, counts, 16K-token units."""
+    k = tokens / 16384
+    return dict(Melem=(f["causal"] + f["rect"]) / 1e6, Mcausal=f["causal"] / 1e6, Mrect=f["rect"] / 1e6,
+                ktf=f["tf"] / 1e3, ktb=f["tb"] / 1e3, ktf_causal=f["tf_causal"] / 1e3, ktf_rect=f["tf_rect"] / 1e3,
+                pieces=f["pieces"], short=f["short"], launches=f["launches"], varlen=f["varlen"], dense=f["dense"],
+                extra_steps=0 if f["ring"] else f["steps"] - 1, ring_step_16K=(f["steps"] if f["ring"] else 1) * k,
+                rows_16K=f["rows"] / 16384, recv_16K=f["recv"] / 16384, Msmall=f["small"] / 1e6, Mdeep=f["deep"] / 1e6)
+
+
+SETS = {
+    "model (elements, pieces, steps)": ("Melem", "pieces", "extra_steps", "ring_step_16K"),
+    "causal/rect elements": ("Mcausal", "Mrect", "pieces", "extra_steps", "ring_step_16K"),
+    "fwd tiles 128x128": ("ktf", "pieces", "extra_steps", "ring_step_16K"),
+    "bwd tiles 64x128": ("ktb", "pieces", "extra_steps", "ring_step_16K"),
+    "tiles causal/rect": ("ktf_causal", "ktf_rect", "pieces", "extra_steps", "ring_step_16K"),
+    "elements + short pieces": ("Melem", "pieces", "short", "extra_steps", "ring_step_16K"),
+    "elements + launches by kind": ("Melem", "dense", "varlen", "pieces", "extra_steps", "ring_step_16K"),
+    "elements + piece rows": ("Melem", "pieces", "rows_16K", "extra_steps", "ring_step_16K"),
+    "elements + kv received": ("Melem", "pieces", "recv_16K", "extra_steps", "ring_step_16K"),
+    "elements + small-piece elements": ("Melem", "Msmall", "pieces", "extra_steps", "ring_step_16K"),
+    "elements + long-kv rectangles": ("Melem", "Mdeep", "pieces", "extra_steps", "ring_step_16K"),
+    "all": ("Melem", "ktf", "ktb", "Mcausal", "Msmall", "Mdeep", "pieces", "short", "dense", "varlen", "rows_16K",
+            "recv_16K", "extra_steps", "ring_step_16K"),
+}
+
+
+def main(path):
+    rows = json.load(open(path))["rows"]
+    pts, cache = [], {}
+    for row in rows:
+        L, W = row["L"], row["W"]
+        lens = cache.setdefault(L, B.doc_lengths(L, 1500, 1.5))
+        feats = layout_features(L, W, lens, row["layout"])
+        for i, (f, c) in enumerate(zip(feats, row["ranks"])):
+            got, want = (f["causal"] + f["rect"], f["pieces"], f["steps"]), (c["causal"] + c["rect"], c["pieces"],
+                                                                            c["steps"])
+            if abs(got[0] - want[0]) > 1e-4 * want[0] or got[1:] != want[1:]:
+                print(f"warning: {L} {row['layout']} rank {i}: rebuilt counts {got} differ from the JSON's {want}")
+            pts.append((columns(f, c["tokens"]), c["ms"], L, row["layout"], i))
+    y = np.array([p[1] for p in pts])
+    for name, use in SETS.items():
+        x = np.array([[p[0][u] for u in use] for p in pts])
+        coef = _solve(x, y, range(len(use)))
+        err = x @ coef / y - 1
+        picks = [" ".join(f"{err[j]:+.3f}" for j, p in enumerate(pts) if p[2] == n and "time-balanced" in p[3])
+                 for n in (131072, 524288)]
+        print(f"{name:<32s} mean {np.abs(err).mean():.3f} max {np.abs(err).max():.3f}\n    128K pick {picks[0]}\n"
+              f"    512K pick {picks[1]}")
+        print("    " + ", ".join(f"{u}={c:.4g}" for u, c in zip(use, coef)))
+        # leave one layout out: is the gain real or fitted noise?
+        cv, groups = [], sorted({(p[2], p[3]) for p in pts})
+        for g in groups:
+            out = np.array([(p[2], p[3]) == g for p in pts])
+            c = _solve(x[~out], y[~out], range(len(use)))
+            cv += list(np.abs(x[out] @ c / y[out] - 1))
+        mm = []
+        for n in (131072, 524288):
+            t = np.array([x[j] @ coef for j, p in enumerate(pts) if p[2] == n and "time-balanced" in p[3]])
+            mm.append(f"{t.max() / t.mean():.3f}")
+        print(f"    leave-one-layout-out mean {np.mean(cv):.3f}; predicted max/mean of the picks 128K {mm[0]}, "
+              f"512K {mm[1]} (measured 1.065, 1.073)")
+    return pts
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
