@@ -45,3 +45,14 @@ def test_fit_from_slowest_and_mean_only():
         r.update(slowest_rank_ms=max(ms), max_over_mean=max(ms) / np.mean(ms))
     got, res = packed_fit.fit(rows)
     assert len(res) == 2 * len(rows) and all(abs(float(x["rel_err"])) < 0.02 for x in res), res
+
+
+def test_feature_study_tiles():
+    """bench/packed_features.py's tile counts: a rectangle runs every tile, a causal square those on/below its
+    diagonal (T(T+1)/2), a causal piece with more keys than rows (bottom-right aligned) the extra key tiles too."""
+    from bench.packed_features import tiles
+    assert tiles(300, 200, False, 128, 128) == 3 * 2
+    assert tiles(1024, 1024, True, 128, 128) == 8 * 9 // 2
+    assert tiles(1024, 1024, True, 64, 128) == sum(i // 2 + 1 for i in range(16))
+    assert tiles(128, 256, True, 128, 128) == 2
+    assert tiles(100, 100, True, 128, 128) == 1
