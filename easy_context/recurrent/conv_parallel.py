@@ -9,11 +9,9 @@ One submodule call each per rank whatever its pieces (DeepSpeed ZeRO-3's gathers
 exchange of B x channels x (K-1) values per piece, forward and backward."""
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from .exchange import anchor, compose_windows, conv_tail, publish, serial_requested
+from .exchange import anchor, compose_windows, conv_tail, forward_matches, publish, serial_requested
 from .mamba2 import causal_conv, segment_ids
 
 _KNOWN: dict = {}
@@ -22,15 +20,9 @@ _KNOWN: dict = {}
 def supports(layer) -> bool:
     """Does the installed forward compute in_proj -> (B, C, x) channels first -> C * conv(B * x) -> out_proj, the
     conv read from ``layer.conv`` (transformers 5.24's Lfm2ShortConv)? If not, the serial chain runs."""
-    cls = type(layer)
-    if cls not in _KNOWN:
-        try:
-            src = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            src = ""
-        _KNOWN[cls] = all(n in src for n in ("self.in_proj(hidden_states).transpose(-1, -2)", ".chunk(3, dim=-2)",
-                                             "B * x", "self.conv.weight", "C * hidden_states", "self.out_proj("))
-    return _KNOWN[cls]
+    return forward_matches(type(layer), _KNOWN, lambda src: all(n in src for n in (
+        "self.in_proj(hidden_states).transpose(-1, -2)", ".chunk(3, dim=-2)", "B * x", "self.conv.weight",
+        "C * hidden_states", "self.out_proj(")))
 
 
 def run_plan(adapter, plan, layer, x: torch.Tensor) -> torch.Tensor | None:

@@ -24,12 +24,11 @@ rounding to the layer dtype, as the layer rounds q·S once).
 """
 from __future__ import annotations
 
-import inspect
 import sys
 
 import torch
 
-from .exchange import anchor, compose_windows, conv_tail, publish, serial_requested
+from .exchange import anchor, compose_windows, conv_tail, forward_matches, publish, serial_requested
 
 _KNOWN: dict = {}
 
@@ -38,18 +37,15 @@ def supports(layer) -> bool:
     """Does this class's installed forward compute what ``_project`` / ``_finish`` assume (transformers 5.24's
     Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet)? If not, the serial chain (which calls the forward) runs."""
     cls = type(layer)
-    if cls not in _KNOWN:
-        try:
-            src = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            src = ""
+    mod = sys.modules.get(cls.__module__)
+
+    def check(src):
         proj = ("self.fix_query_key_value_ordering(" in src) or ("self.in_proj_qkv(" in src and
                                                                     "self.in_proj_z(" in src)
-        mod = sys.modules.get(cls.__module__)
-        _KNOWN[cls] = proj and all(n in src for n in ("torch_chunk_gated_delta_rule(", "causal_conv1d_fn(",
-                                                      "self.norm(", "self.out_proj(", "use_qk_l2norm_in_kernel=True")) \
+        return proj and all(n in src for n in ("torch_chunk_gated_delta_rule(", "causal_conv1d_fn(", "self.norm(",
+                                               "self.out_proj(", "use_qk_l2norm_in_kernel=True")) \
             and all(hasattr(mod, n) for n in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"))
-    return _KNOWN[cls]
+    return forward_matches(cls, _KNOWN, check)
 
 
 def _project(layer, x):
