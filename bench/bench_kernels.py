@@ -128,11 +128,9 @@ def _windowed_rows(L, w, heads, head_dim, packed):
     def dense():
         o, l = kernels.attn_forward(q, k, v, True)
         kernels.attn_backward(do, q, k, v, o, l, True)
-    def path(env, rev=True, local=True):
+    def path(rev=True, local=True):
         def wrapped():
-            old_env, old_rev, old_win = os.environ.get(documents.WINDOW_ENV), documents._reversed_causal, \
-                dict(documents.WINDOWED)
-            os.environ[documents.WINDOW_ENV] = env
+            old_rev, old_win = documents._reversed_causal, dict(documents.WINDOWED)
             if not rev:
                 documents._reversed_causal = lambda *a: False
             if not local:
@@ -142,12 +140,10 @@ def _windowed_rows(L, w, heads, head_dim, packed):
             finally:
                 documents._reversed_causal = old_rev
                 documents.WINDOWED.update(old_win)
-                os.environ.pop(documents.WINDOW_ENV) if old_env is None else os.environ.__setitem__(
-                    documents.WINDOW_ENV, old_env)
         return wrapped
-    cases = [("window kernel (fa4 window_size, default)", path("auto")),
-             ("tiles + reversed band squares (no window kernel)", path("tiles")),
-             ("tiles, band edges on math (12-03 code)", path("tiles", rev=False, local=False)),
+    cases = [("window kernel (fa4 window_size, default)", path()),
+             ("tiles + reversed band squares (no window kernel)", path(local=False)),
+             ("tiles, band edges on math (12-03 code)", path(rev=False, local=False)),
              ("full causal" + (" (documents)" if packed else ""),
               (lambda: run(full.block(idx, idx))) if full is not None else dense)]
     base = None

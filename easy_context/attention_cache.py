@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextvars
 
+import torch
+
 # The cache of the checkpointed layer call currently running (None outside selective checkpointing).
 # A context variable, like torch's own modes: it is per thread and always reset in ``finally``.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("easy_context_selective_layer", default=None)
@@ -58,7 +60,6 @@ class _LayerCache:
             return "compute"
         if self.pos < len(self.entries):
             return "take_once"
-        import torch
         return "compute" if torch.is_grad_enabled() else "store"
 
 

@@ -114,13 +114,18 @@ def test_disk_cache_enabled_by_default_and_user_setting_wins(fresh, tmp_path):
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/elsewhere"
 
 
-def test_forward_backward_through_fake_fa4_are_exact(fresh):
+def _faked_inputs(fresh, hq, hkv):
+    """A fake FA4 installed, float64 q/dout (1, 16, hq, 8) and k/v (1, 16, hkv, 8), a fallback that fails."""
     mod = _fake_module()
     _fake_installed(fresh, mod=mod)
     g = torch.Generator().manual_seed(0)
-    q, do = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    never = lambda *a: pytest.fail("fallback used")  # noqa: E731
+    q, do = (torch.randn(1, 16, hq, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 16, hkv, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    return mod, q, k, v, do, lambda *a: pytest.fail("fallback used")
+
+
+def test_forward_backward_through_fake_fa4_are_exact(fresh):
+    mod, q, k, v, do, never = _faked_inputs(fresh, 4, 2)
     out, lse = fa4.forward(q, k, v, True, 0.3, fallback=never)
     dq, dk, dv = fa4.backward(do, q, k, v, out, lse, True, 0.3, fallback=never)
     ro, rl = kernels.attn_forward(q, k, v, True, 0.3, backend="math")
@@ -133,12 +138,7 @@ def test_forward_backward_through_fake_fa4_are_exact(fresh):
 
 def test_long_backward_runs_in_head_groups_writing_slices_in_place(fresh):
     """Past the accumulator limit the heads go in groups (GQA: kv heads with their q heads): same result."""
-    mod = _fake_module()
-    _fake_installed(fresh, mod=mod)
-    g = torch.Generator().manual_seed(0)
-    q, do = (torch.randn(1, 16, 8, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    never = lambda *a: pytest.fail("fallback used")  # noqa: E731
+    mod, q, k, v, do, never = _faked_inputs(fresh, 8, 4)
     out, lse = fa4.forward(q, k, v, True, 0.3, fallback=never)
     whole = fa4.backward(do, q, k, v, out, lse, True, 0.3, fallback=never)
     fresh.setenv(fa4.ACCUM_ENV, str(16 * 8 * 8 * 4 / 4 / 2**20))  # a quarter of this accumulator

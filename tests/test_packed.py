@@ -200,13 +200,20 @@ def _masked_reference(q, k, v, do, keep, scale):
 @pytest.mark.parametrize("window", [3, 5, 16])
 def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, window):
     """Every block a ring asks for (diagonal, kv before q, zigzag pairs; packed and not) equals float64 attention
-    with the explicit mask, through each window path: tiles with reversed band squares (one call each, and in one
-    varlen launch), band edges on the math kernel, and a window kernel in fa4's convention."""
+    with the explicit mask, through each window path: tiles with reversed band squares (alone, and beside a varlen
+    kernel for the documents' runs), band edges on the math kernel, and a window kernel in fa4's convention."""
     from easy_context.kernels import documents as kd
     g = torch.Generator().manual_seed(3)
     paths = {"tiles": {}, "tiles+varlen": {"varlen": True}, "local": {"local": True},
              "math band edges": {"no_reverse": True}}
     seen_reversed = 0
+    real_reversed = kd._reversed_causal
+
+    def counted(*a):  # how many band squares took the reversed causal kernel
+        nonlocal seen_reversed
+        hit = real_reversed(*a)
+        seen_reversed += hit
+        return hit
     for lengths in ([40], [3, 1, 17, 2, 9, 8]):
         n = sum(lengths)
         q, do = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -226,9 +233,10 @@ def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, w
                 continue
             qi, ki, vi, di = q[:, q_idx], k[:, k_idx], v[:, k_idx], do[:, q_idx]
             ref = _masked_reference(qi, ki, vi, di, keep, 0.3)
-            seen_reversed += sum(kind == "reversed" for kind, _ in kd._group("math", blk.pieces()))
             for path, opt in paths.items():
                 with monkeypatch.context() as m:
+                    if not opt:
+                        m.setattr(kd, "_reversed_causal", counted)
                     if opt.get("varlen"):
                         m.setitem(kernels.VARLEN, "math", (_math_varlen_forward, _math_varlen_backward))
                     if opt.get("local"):
@@ -248,9 +256,10 @@ def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, w
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("kernel", ["tiles", "local"])
 def test_windowed_attention_on_gpu_matches_reference(packed, kernel, monkeypatch):
-    """bf16 through the auto backend (reversed band squares in fa4's varlen, or fa4's window_size) vs float64 math,
-    diagonal and band blocks."""
-    monkeypatch.setenv(kernels.documents.WINDOW_ENV, kernel)  # "local": fa4's window_size where usable
+    """bf16 through the auto backend (fa4's window_size, or tiles with reversed band squares on the causal kernel)
+    vs float64 math, diagonal and band blocks."""
+    if kernel == "tiles":  # as on a backend without a window kernel
+        monkeypatch.delitem(kernels.documents.WINDOWED, "fa4", raising=False)
     g = torch.Generator().manual_seed(11)
     lengths = [700, 3, 1300, 45] if packed else [2048]
     n, w = sum(lengths), 256

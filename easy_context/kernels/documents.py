@@ -2,17 +2,14 @@
 documents grouped into one varlen launch where the backend has a varlen kernel (``VARLEN``).
 
 Sliding windows: a ``Window`` piece runs in one call of the backend's window kernel (``WINDOWED``: fa4's
-window_size). Backends without one (cuDNN, ...) cut a diagonal ``Window`` (a document longer than the window) into q
-tiles of w rows (``Window.tiles``): each tile's causal diagonal joins the varlen run of the block's diagonal pieces,
-and each tile's band edge -- a square whose kept keys are b >= a, i.e. a causal square with q and kv reversed -- is
-reversed and run with the others as ONE more causal launch (the flip trick), so no band runs on the math kernel.
-H200, 128K, window 4096 (docs/memory.md): fa4 window_size 64.8 ms, tiles + reversed squares 168 ms, tiles with
-math band edges ~2 s. ``EASY_CONTEXT_WINDOW_KERNEL=tiles`` forces the tiles where a window kernel exists.
+window_size). Backends without one (cuDNN, ...) cut it into q tiles of w rows (``Window.tiles``); a tile's band
+edge -- a square whose kept keys are b >= a, i.e. a causal square with q and kv reversed -- runs reversed on the
+causal kernel (the flip trick), so no band runs on the math kernel. H200, 128K, window 4096 (docs/memory.md): fa4
+window_size 64.8 ms, tiles with math band edges ~2 s.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +29,7 @@ def _doc_rows(q, docs):
 
 # Backends with a sliding-window kernel: a ``Window`` piece is one call (forward(q, k, v, left, right, scale,
 # fallback) -> (out, lse); backward(dout, q, k, v, out, lse, left, right, scale, fallback) -> grads). Others cut it
-# into tiles (``Window.tiles``) whose band edges run on the math kernel.
+# into tiles (``Window.tiles``).
 WINDOWED = {"fa4": (fa4.window_forward, fa4.window_backward)}
 
 # Backends with a varlen (cu_seqlens) kernel: a diagonal run of many documents is one launch instead of one
@@ -40,7 +37,6 @@ WINDOWED = {"fa4": (fa4.window_forward, fa4.window_backward)}
 # -> (out, lse (H, total)); backward likewise.) Tests register a reference implementation here.
 VARLEN = {"fa4": (fa4.varlen_forward, fa4.varlen_backward)}
 VARLEN_MIN_DOCS = 4  # fewer documents in a run: per-document dense calls are as cheap
-WINDOW_ENV = "EASY_CONTEXT_WINDOW_KERNEL"
 
 
 def _reversed_causal(c, n, m) -> bool:
@@ -48,28 +44,9 @@ def _reversed_causal(c, n, m) -> bool:
     return isinstance(c, Band) and c.c == 0 and n == m
 
 
-def _expand(name, pieces):
-    """Diagonal ``Window`` pieces -> their tiles in block coordinates (see the module doc)."""
-    if not any(isinstance(p[2], Window) and p[2].causal for p in pieces):
-        return pieces
-    if name in WINDOWED and os.environ.get(WINDOW_ENV, "auto").lower() != "tiles":
-        return pieces
-    out = []
-    for qs, ks, c in pieces:
-        if not (isinstance(c, Window) and c.causal):
-            out.append((qs, ks, c))
-            continue
-        for tq, tk, tc in c.tiles(qs.stop - qs.start, ks.stop - ks.start):
-            out.append((slice(qs.start + tq.start, qs.start + tq.stop), slice(ks.start + tk.start, ks.start + tk.stop),
-                        tc))
-    return out
-
-
 def _group(name, pieces):
-    """Pieces -> items: ("dense", piece), ("varlen", [causal diagonal pieces tiling one contiguous run]) or
-    ("reversed", [band-edge squares]) -- all of a block's reversed squares in one launch, last."""
-    items, run, rev = [], [], []
-    pieces = _expand(name, pieces)
+    """Pieces -> items: ("dense", piece) or ("varlen", [causal diagonal pieces tiling one contiguous run])."""
+    items, run = [], []
 
     def flush():
         if len(run) >= VARLEN_MIN_DOCS and name in VARLEN:
@@ -79,9 +56,6 @@ def _group(name, pieces):
         run.clear()
     for p in pieces:
         qs, ks, causal = p
-        if _reversed_causal(causal, qs.stop - qs.start, ks.stop - ks.start):
-            rev.append(p)
-            continue
         if causal is True and qs == ks and (not run or run[-1][0].stop == qs.start):
             run.append(p)
             continue
@@ -91,78 +65,7 @@ def _group(name, pieces):
         else:
             items.append(("dense", p))
     flush()
-    if rev:
-        items.append(("reversed", rev))
     return items
-
-
-def _gather_reversed(x, bs, sl_list):
-    """(B, L, H, D) rows of each slice, reversed, one after another -> (B, n_total, H, D)."""
-    return torch.cat([x[bs, sl].flip(1) for sl in sl_list], dim=1)
-
-
-def _reversed_forward(name, q, k, v, scale, bs, rev):
-    """out / lse of band-edge squares: causal attention on reversed rows, one varlen launch (or one call each)."""
-    fwd = _FORWARD[name]
-    qs, ks = [p[0] for p in rev], [p[1] for p in rev]
-    qf, kf, vf = _gather_reversed(q, bs, qs), _gather_reversed(k, bs, ks), _gather_reversed(v, bs, ks)
-    nb = qf.shape[0]
-    if name in VARLEN and len(rev) > 1:
-        cu, mx = _cu([(s, s, True) for s in qs], nb, q.device)
-        o, l = VARLEN[name][0](qf.reshape(-1, *qf.shape[2:]), kf.reshape(-1, *kf.shape[2:]),
-                               vf.reshape(-1, *vf.shape[2:]), cu, cu, mx, mx, True, scale,
-                               lambda: _pack_varlen(*_per_square(fwd, qf, kf, vf, qs, scale), nb))
-        o, l = o.view(nb, -1, *o.shape[1:]), l.view(l.shape[0], nb, -1).transpose(0, 1)
-    else:
-        o, l = _per_square(fwd, qf, kf, vf, qs, scale)
-    at = 0
-    for sl in qs:
-        n = sl.stop - sl.start
-        yield sl, o[:, at:at + n].flip(1), l[:, :, at:at + n].flip(2)
-        at += n
-
-
-def _per_square(fwd, qf, kf, vf, qs, scale):
-    outs, lses, at = [], [], 0
-    for sl in qs:
-        n = sl.stop - sl.start
-        o, l = fwd(qf[:, at:at + n], kf[:, at:at + n], vf[:, at:at + n], True, scale)
-        outs.append(o)
-        lses.append(l)
-        at += n
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
-
-
-def _reversed_backward(name, dout, q, k, v, out, lse, scale, bs, rev):
-    """(q slice, kv slice, dq, dk, dv) of each band-edge square, from one reversed varlen backward."""
-    bwd = _BACKWARD[name]
-    qs, ks = [p[0] for p in rev], [p[1] for p in rev]
-    qf, df, of = (_gather_reversed(x, bs, qs) for x in (q, dout, out))
-    kf, vf = _gather_reversed(k, bs, ks), _gather_reversed(v, bs, ks)
-    lf = torch.cat([lse[bs, :, sl].flip(2) for sl in qs], dim=2)
-    nb = qf.shape[0]
-
-    def per_square():
-        parts, at = [], 0
-        for sl in qs:
-            n, a = sl.stop - sl.start, slice(at, at + sl.stop - sl.start)
-            parts.append(bwd(df[:, a], qf[:, a], kf[:, a], vf[:, a], of[:, a], lf[:, :, a], True, scale))
-            at += n
-        return tuple(torch.cat(x, dim=1) for x in zip(*parts))
-    if name in VARLEN and len(rev) > 1:
-        cu, mx = _cu([(s, s, True) for s in qs], nb, q.device)
-        flat = [x.reshape(-1, *x.shape[2:]) for x in (df, qf, kf, vf, of)]
-        l_flat = lf.transpose(0, 1).reshape(lf.shape[1], -1).contiguous()
-        g = VARLEN[name][1](*flat, l_flat, cu, cu, mx, mx, True, scale,
-                            lambda: tuple(x.reshape(-1, *x.shape[2:]) for x in per_square()))
-        g = [x.view(nb, -1, *x.shape[1:]) for x in g]
-    else:
-        g = per_square()
-    at = 0
-    for sq, sk in zip(qs, ks):
-        n = sq.stop - sq.start
-        yield sq, sk, g[0][:, at:at + n].flip(1), g[1][:, at:at + n].flip(1), g[2][:, at:at + n].flip(1)
-        at += n
 
 
 def _flat(x, bs, span):  # (B, L, H, D) rows of a run -> (B * n, H, D) for a varlen kernel
@@ -188,11 +91,6 @@ def _doc_forward(name, q, k, v, scale, docs, into=None):
                 acc = torch.float64 if q.dtype == torch.float64 else torch.float32
                 out = torch.zeros(q.shape, dtype=acc, device=q.device)
                 lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
-            if kind == "reversed":
-                from . import merge_attn_out
-                for qs, o, l in _reversed_forward(name, q, k, v, scale, bs, item):
-                    merge_attn_out(out[bs, qs], lse[bs, :, qs], o, l)
-                continue
             if kind == "dense":
                 qs, ks, causal = item
                 o, l = _piece_forward(name, q[bs, qs], k[bs, ks], v[bs, ks], causal, scale)
@@ -291,12 +189,6 @@ def _doc_backward(name, dout, q, k, v, out, lse, scale, docs, into=None):
             if grads is None:
                 acc = torch.float64 if q.dtype == torch.float64 else torch.float32
                 grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
-            if kind == "reversed":
-                for qs, ks, dq, dk, dv in _reversed_backward(name, dout, q, k, v, out, lse, scale, bs, item):
-                    grads[0][bs, qs] += dq
-                    grads[1][bs, ks] += dk
-                    grads[2][bs, ks] += dv
-                continue
             if kind == "dense":
                 qs, ks, causal = item
                 g = _piece_backward(name, dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs],

@@ -117,10 +117,14 @@ def head_groups(q, k) -> int:
     the whole call (16 KB/token at 32 x 128 heads, more than dq itself); above EASY_CONTEXT_FA4_BWD_ACCUM_MB
     (default 256) the heads go in up to 8 groups, each writing its slice of dq/dk/dv in place, so the peak of a long
     layer's backward holds 1/groups of it. Same arithmetic per head: exact."""
+    return accumulator_groups(4.0 * q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3], k.shape[2])
+
+
+def accumulator_groups(accum_bytes: float, kv_heads: int) -> int:
+    """The rule of ``head_groups`` on sizes alone (the planner uses it too): halve while over the limit."""
     limit = float(os.environ.get(ACCUM_ENV, "256")) * 2**20
-    accum = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3]
     g = 1
-    while accum / g > limit and g < 8 and k.shape[2] % (2 * g) == 0:
+    while accum_bytes / g > limit and g < 8 and kv_heads % (2 * g) == 0:
         g *= 2
     return g
 

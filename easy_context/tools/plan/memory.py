@@ -48,10 +48,8 @@ def attn_working_set(shape: Shape, kernel: str, checkpointing: str, T: float) ->
     if checkpointing == "offload":  # the previous input comes back after the attention backward, not during it
         ws -= 2 * d * T
     if kernel == "fa4":  # its fp32 dq accumulator, in head groups past 256 MiB (kernels/fa4.head_groups)
-        groups = 1
-        while 4 * da * T / groups > 256 * 2**20 and groups < 8 and shape.kv_heads % (2 * groups) == 0:
-            groups *= 2
-        ws -= 4 * da * T * (1 - 1 / groups)
+        from ...kernels.fa4 import accumulator_groups
+        ws -= 4 * da * T * (1 - 1 / accumulator_groups(4 * da * T, shape.kv_heads))
     return ws
 
 
