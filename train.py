@@ -58,7 +58,7 @@ def train(args):
     from easy_context.training.modeling import (apply_memory_options, count_params, get_rope_theta, load_config,
                                                 load_model, load_tokenizer)
     from easy_context.training.optim import build_optimizer, configure_deepspeed, current_lr
-    from easy_context.training.packed_data import batch_targets
+    from easy_context.training.plan_ahead import PlannedBatches
     from easy_context.training.moe import aux_coef, aux_term
     from easy_context.loss import IGNORE_INDEX, global_sum
     from easy_context.training.parallel import build_layout, make_accelerator, nll_sum
@@ -106,7 +106,7 @@ def train(args):
     start = resume(args, accelerator, loader, run_id)
 
     GA = args.gradient_accumulate_every
-    batches = forever(loader)
+    batches = PlannedBatches(forever(loader), loader, layout, GA)  # packed rows: next step's dispatch planned meanwhile
     tokens_per_step = args.batch_size * GA * args.seq_length * layout.dp
     measure = StepMetrics(n_params, config, args.seq_length, accelerator.num_processes, tokens_per_step)
     log = JsonlLog(args.log_file, accelerator.is_main_process, start)
@@ -124,8 +124,8 @@ def train(args):
         lr = current_lr(model, optimizer)  # the LR this step's update uses
         window = []  # this step's micro-batches, sharded for this sp rank (targets = next tokens)
         for _ in range(GA):
-            inp, pos, tgt = batch_targets(next(batches))  # optional labels / packed-document positions
-            window.append(layout.prepare_inputs(inp.cpu(), pos.cpu(), tgt.cpu(), accelerator.device))
+            inp, pos, tgt, table = next(batches)  # optional labels / packed-document positions (+ their dispatch)
+            window.append(layout.prepare_inputs(inp.cpu(), pos.cpu(), tgt.cpu(), accelerator.device, dispatch=table))
         n_tokens = global_sum(sum((w["local_target_ids"] != IGNORE_INDEX).sum() for w in window).float()
                            .to(accelerator.device)).clamp(min=1)
         scale = accelerator.num_processes * GA / n_tokens
@@ -158,10 +158,11 @@ def train(args):
         if preempted or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0
                          and step + 1 < args.max_train_steps):
             ckpt.save_checkpoint(accelerator, args.output_dir, step + 1, args.keep_checkpoints,
-                                 {"data": loader.state_dict()}, run_id=run_id)
+                                 {"data": batches.state_dict()}, run_id=run_id)
         ckpt.crash_point("step", step + 1)  # no-op unless the tests ask for a crash
         guard.exit_if(preempted, step + 1)
     bar.close()
+    batches.close()
 
     # 5. Final model: HF safetensors + tokenizer (or the LoRA adapter), RoPE theta (--save-rope-theta) in config.json.
     save_outputs(args, accelerator, model, tokenizer)

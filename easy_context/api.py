@@ -99,6 +99,12 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
     # attached to every returned tensor: the attention reads it off the local position ids
     table = mode.dispatch_of(world_size, positions=position_ids, **kw)
     if table is not None:
+        if kw.get("dispatch") is not None:  # planned elsewhere (training/plan_ahead.py): for these positions?
+            from .dispatch import DispatchError, fingerprint
+            if table.fingerprint and table.fingerprint != fingerprint(position_ids):
+                raise DispatchError("prepare_seq_parallel_inputs(dispatch=...): the table was planned for other "
+                                    "position ids (another batch?): plan it from this batch's global position_ids "
+                                    "(get_mode(mode).dispatch_of(world, positions=...)) or leave dispatch= out")
         kw = dict(kw, dispatch=table)
 
     def cut(t):

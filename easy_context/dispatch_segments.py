@@ -186,8 +186,8 @@ class Estimate:
                 lo = max(lo, s0 - window + 1)
             if lo >= s0:
                 continue
-            j = bisect.bisect_right(starts, lo) - 1
-            held = {segs[i][2] for i in range(max(j, 0), len(segs)) if segs[i][0] < s0}
+            j = max(bisect.bisect_right(starts, lo) - 1, 0)
+            held = {segs[i][2] for i in range(j, bisect.bisect_left(starts, s0, j))}
             self.pieces[r] += len(held)
             srcs[r] |= held - {r}
         self.steps = [1 + len(x) for x in srcs]

@@ -166,11 +166,13 @@ class ParallelLayout:
         return shard_sequence(self.mode, tensor, self.sp_rank, self.sp, dim=dim, positions=positions,
                               **self.layout_kw)
 
-    def prepare_inputs(self, input_ids, position_ids, target_ids, device) -> dict:
-        """``prepare_seq_parallel_inputs`` with this layout's sp rank, size and degrees."""
+    def prepare_inputs(self, input_ids, position_ids, target_ids, device, dispatch=None) -> dict:
+        """``prepare_seq_parallel_inputs`` with this layout's sp rank, size and degrees. ``dispatch``: the packed
+        rows' table when it was planned elsewhere (training/plan_ahead.py), else planned here."""
         from .api import prepare_seq_parallel_inputs
+        kw = self.layout_kw if dispatch is None else dict(self.layout_kw, dispatch=dispatch)
         return prepare_seq_parallel_inputs(self.mode, input_ids, position_ids, target_ids, self.sp_rank,
-                                           self.sp, device, **self.layout_kw)
+                                           self.sp, device, **kw)
 
     def __str__(self) -> str:
         if self.mode.hybrid:

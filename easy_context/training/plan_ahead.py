@@ -1,0 +1,110 @@
+"""The next step's packed-row dispatch planned in a helper process while this step runs (issue #28).
+
+Planning the cost-balanced dispatch of a packed row (dispatch.py) is pure CPU work: ~0.2 s at 128K, ~0.3 s at 512K
+on one core, on every rank, for every new batch, and inside ``prepare_seq_parallel_inputs`` it sits on the step's
+critical path. ``PlannedBatches`` reads one optimizer step (``ahead`` micro-batches) ahead of the loop, hands their
+global position ids to one spawned process that runs the very planner ``prepare_seq_parallel_inputs`` would
+(``mode.dispatch_of``: same code, same inputs, so every rank still derives the same table without a collective),
+and yields each micro-batch with its table, which ``prepare_inputs(..., dispatch=table)`` uses as given. The
+attention still checks the table against the positions it gathers (fingerprint + digest), so a wrong table is an
+error, never wrong gradients.
+
+Reading ahead must not move the data position a checkpoint records: ``state_dict()`` is the loader's state right
+after the last micro-batch *handed out*, snapshotted before the read-ahead, so a resumed run starts at the first
+batch this run did not train on, as without planning ahead. Rows without restarts (nothing to plan) or modes that
+never dispatch start no process; a helper that dies falls back to planning in this process.
+"""
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+
+from .packed_data import batch_targets
+
+
+def plan_table(mode_name: str, sp: int, layout_kw: dict, positions):
+    """The dispatch table ``prepare_seq_parallel_inputs`` would plan for these global (B, L) positions (or None)."""
+    from ..registry import get_mode
+    return get_mode(mode_name).dispatch_of(sp, positions=positions, **layout_kw)
+
+
+class PlannedBatches:
+    """Iterate ``(input_ids, position_ids, targets, dispatch)`` of ``loader``'s batches (``batch_targets``), each
+    with its dispatch table planned ``ahead`` micro-batches early in a helper process (None when the rows are not
+    packed or the layout never dispatches). ``state_dict()`` replaces ``loader.state_dict()`` for checkpoints."""
+
+    def __init__(self, batches, loader, layout, ahead: int, enabled: bool = True):
+        self._it, self._loader = iter(batches), loader
+        self._args = (layout.mode.name, layout.sp, dict(layout.layout_kw))
+        self._on = enabled and layout.sp > 1 and layout.mode.dispatches
+        self._ahead = max(1, int(ahead))
+        self._queue: deque = deque()   # (inputs, positions, targets, future or table, loader state after it)
+        self._state = copy.deepcopy(loader.state_dict())
+        self._pool = None
+        self.planned_here = 0           # tables this process had to plan itself (first step, or a lost helper)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self._queue:
+            self._read(first=True)       # the first step's tables are needed now: planned here
+        if not self._queue:
+            raise StopIteration
+        inp, pos, tgt, job, state = self._queue.popleft()
+        self._read()                      # keep `ahead` micro-batches in flight behind this one
+        self._state = state
+        return inp, pos, tgt, self._result(job, pos)
+
+    def state_dict(self) -> dict:
+        """The loader's position after the last micro-batch handed out (not the ones read ahead)."""
+        return copy.deepcopy(self._state)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _read(self, first: bool = False) -> None:
+        while len(self._queue) < self._ahead:
+            batch = next(self._it, None)
+            if batch is None:
+                return
+            inp, pos, tgt = batch_targets(batch)
+            state = self._loader.state_dict()  # a fresh dict each call (data.py, dp_balance.py)
+            job = None
+            if self._on and _packed(pos):
+                if first:
+                    job, self.planned_here = plan_table(*self._args, pos), self.planned_here + 1
+                else:
+                    job = self._submit(pos)
+            self._queue.append((inp, pos, tgt, job, state))
+
+    def _submit(self, pos):
+        try:
+            if self._pool is None:  # spawn: a fork would copy the training process's threads and CUDA state
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+            return self._pool.submit(plan_table, *self._args, pos.cpu())
+        except Exception:  # no helper process here (a sandbox, a broken pool): plan when it is needed
+            self.close()
+            return None
+
+    def _result(self, job, pos):
+        if not hasattr(job, "result"):
+            return job  # a table planned here, None when there is nothing to plan, or a failed submit (below)
+        try:
+            return job.result()
+        except Exception:  # a helper that died (memory, a signal): plan here, as prepare_seq_parallel_inputs would
+            self.close()
+            self.planned_here += 1
+            return plan_table(*self._args, pos)
+
+
+def _packed(pos) -> bool:
+    from ..sharding import packed_rows
+    return packed_rows(pos)
+
+
+__all__ = ["PlannedBatches", "plan_table"]

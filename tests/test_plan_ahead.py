@@ -1,0 +1,114 @@
+"""train.py's read-ahead (training/plan_ahead.py): the next step's packed-row dispatch planned in a helper process.
+
+The tables must be the ones prepare_seq_parallel_inputs would plan itself, the checkpointed data position must be
+that of the batches handed out (not the ones read ahead), and a lost helper or a table of another batch must never
+change what is trained on.
+"""
+import pytest
+import torch
+
+from easy_context import prepare_seq_parallel_inputs
+from easy_context.dispatch import DISPATCH_ATTR, DispatchError
+from easy_context.registry import SEQ_ALGOS, get_mode
+from easy_context.training import plan_ahead
+from easy_context.training.plan_ahead import PlannedBatches, plan_table
+
+# a ring mode whose cut deals packed rows by cost (no extra degrees)
+MODE = next(get_mode(n) for n in SEQ_ALGOS if get_mode(n).dispatches and not get_mode(n).degree_kwargs)
+UNDISPATCHED = next(get_mode(n) for n in SEQ_ALGOS if not get_mode(n).dispatches)
+
+
+class _Layout:
+    def __init__(self, mode, sp=4):
+        self.mode, self.sp, self.layout_kw = mode, sp, {}
+
+
+class _Loader:
+    """A stateful loader: ``state_dict`` counts the batches read (like easy_context.data's)."""
+
+    def __init__(self, rows):
+        self.rows, self.read = rows, 0
+
+    def __iter__(self):
+        while self.read < len(self.rows):
+            self.read += 1
+            yield self.rows[self.read - 1]
+
+    def state_dict(self):
+        return {"batch": self.read}
+
+
+def _row(lengths, seed=0):
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.randint(0, 100, pos.shape, generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "position_ids": pos}
+
+
+ROWS = [_row([700, 20, 900, 1, 428]), _row([2049]), _row([30, 1500, 519], 1), _row([1024, 1025], 2),
+        _row([5, 5, 2039], 3)]
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_tables_equal_planning_here_and_the_state_is_that_of_the_batches_handed_out(ahead):
+    loader = _Loader(ROWS)
+    batches = PlannedBatches(iter(loader), loader, _Layout(MODE), ahead)
+    try:
+        got = list(batches)
+        assert batches.state_dict() == {"batch": len(ROWS)}
+    finally:
+        batches.close()
+    assert len(got) == len(ROWS)
+    for (inp, pos, tgt, table), row in zip(got, ROWS):
+        assert torch.equal(inp, row["input_ids"][:, :-1]) and torch.equal(pos, row["position_ids"][:, :-1])
+        assert table == plan_table(MODE.name, 4, {}, pos)  # None for the one-document row
+    assert [t is None for *_, t in got] == [False, True, False, False, False]
+    # only the first step's tables were planned here; the rest came from the helper
+    assert batches.planned_here == sum(t is not None for *_, t in got[:ahead])
+
+    loader, states = _Loader(ROWS), []
+    batches = PlannedBatches(iter(loader), loader, _Layout(MODE), ahead)
+    for _ in range(3):
+        next(batches)
+        states.append(batches.state_dict())
+    batches.close()
+    assert states == [{"batch": 1}, {"batch": 2}, {"batch": 3}]
+    assert loader.read == min(3 + ahead, len(ROWS))  # it did read ahead; the checkpointed position did not move
+
+
+def test_a_table_planned_elsewhere_shards_exactly_like_one_planned_here():
+    inp, pos = ROWS[0]["input_ids"][:, :-1], ROWS[0]["position_ids"][:, :-1]
+    table = plan_table(MODE.name, 4, {}, pos)
+    for rank in range(4):
+        given = prepare_seq_parallel_inputs(MODE.name, inp, pos, None, rank, 4, "cpu", dispatch=table)
+        here = prepare_seq_parallel_inputs(MODE.name, inp, pos, None, rank, 4, "cpu")
+        assert torch.equal(given["local_input_ids"], here["local_input_ids"])
+        assert getattr(given["local_position_ids"], DISPATCH_ATTR) == table
+    other = plan_table(MODE.name, 4, {}, ROWS[2]["position_ids"][:, :-1])
+    with pytest.raises(DispatchError, match="dispatch=.*other position ids"):
+        prepare_seq_parallel_inputs(MODE.name, inp, pos, None, 0, 4, "cpu", dispatch=other)
+
+
+def test_no_helper_for_rows_without_restarts_nor_for_modes_that_never_dispatch():
+    for mode, rows in ((MODE, [ROWS[1]] * 3), (UNDISPATCHED, ROWS)):
+        loader = _Loader(rows)
+        batches = PlannedBatches(iter(loader), loader, _Layout(mode), 1)
+        assert all(t is None for *_, t in batches)
+        assert batches._pool is None and batches.planned_here == 0
+
+
+def test_a_lost_helper_falls_back_to_planning_here(monkeypatch):
+    class Broken:
+        def result(self):
+            raise RuntimeError("helper died")
+
+    loader = _Loader(ROWS)
+    batches = PlannedBatches(iter(loader), loader, _Layout(MODE), 1)
+    monkeypatch.setattr(batches, "_submit", lambda pos: Broken())
+    got = [t for *_, t in batches]
+    assert got == [plan_table(MODE.name, 4, {}, r["position_ids"][:, :-1]) for r in ROWS]
+    assert batches.planned_here == 4  # the first, inline; three lost jobs (the one-document row needs none)
+
+    monkeypatch.setattr(plan_ahead, "ProcessPoolExecutor", lambda **kw: (_ for _ in ()).throw(OSError("no spawn")))
+    loader = _Loader(ROWS)
+    batches = PlannedBatches(iter(loader), loader, _Layout(MODE), 1)
+    assert [t for *_, t in batches][1:] == [None] * 4  # submit failed: prepare_seq_parallel_inputs plans them
