@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 import torch
@@ -73,19 +74,22 @@ def rank_counts(blocks, L, world) -> dict:
     """One rank's forward counts: score elements of causal pieces (halved) and of rectangles, kernel pieces, launches
     with FA4's varlen grouping (the time model's regressors, bench/packed_fit.py)."""
     n_loc = L // world
-    out = dict(causal=0, rect=0, pieces=0, launches=0)
+    out = dict(causal=0, rect=0, pieces=0, launches=0, dense=0, varlen=0)
     for qs, _, ks, causal, bd in blocks:
         if bd is None:
             n = _len(qs, n_loc) * _len(ks, n_loc)
             out["causal" if causal else "rect"] += n // 2 if causal else n
             out["pieces"] += 1
             out["launches"] += 1
+            out["dense"] += 1
         else:
             for pq, pk, pc in bd.pieces():
                 n = (pq.stop - pq.start) * (pk.stop - pk.start)
                 out["causal" if pc else "rect"] += n // 2 if pc else n
                 out["pieces"] += 1
-            out["launches"] += len(kernels._group("fa4", bd.pieces()))
+            for kind, _ in kernels._group("fa4", bd.pieces()):
+                out["launches"] += 1
+                out[kind] += 1
     return out
 
 
@@ -153,7 +157,8 @@ def predicted_ms(ranks, before=False) -> list[float]:
     """Per-rank fwd+bwd ms of dispatch.py's fitted time model from exact per-rank counts (``layout_counts``).
     ``before``: the dispatch as first measured, whose every step made full-size passes like the ring's."""
     return dispatch_mod.rank_ms([c["causal"] + c["rect"] for c in ranks], [c["pieces"] for c in ranks],
-                                [c["steps"] for c in ranks], ranks[0]["tokens"], ring=before or ranks[0]["ring"])
+                                [c["steps"] for c in ranks], ranks[0]["tokens"], [c["dense"] for c in ranks],
+                                [c["varlen"] for c in ranks], ring=before or ranks[0]["ring"])
 
 
 def kv_mb(tokens_recv, heads, dim, dkv_tokens=None, dkv_bytes=2):
@@ -237,10 +242,10 @@ def balance_study(lengths_L, world, median, sigma, per_rank=(1, 2, 4, 8)):
     return rows
 
 
-def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=None, per_rank=(None,)):
+def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=None, per_rank=(None,), rounds=1):
     """Time every rank's ring work (fwd + bwd) for the packed row in each layout of ``pairs`` (k values; default
     plain zigzag and ``zigzag_pairs(L, world)``), under the dispatch with each ``per_rank`` (None: the cost model's
-    pick; () for none), and for the same row as one causal stream: one row per layout."""
+    pick; () for none), and for the same row as one causal stream: one row per layout. ``rounds``: see timed()."""
     lens = doc_lengths(L, median, sigma)
     docs = packing.documents(positions(lens))
     ks = sorted(set(pairs or (1, zigzag_pairs(L, world))))
@@ -265,47 +270,66 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
             kernels.attn_backward(sh[3][r][:, qs], sh[0][r][:, qs], sh[1][src][:, ks_], sh[2][src][:, ks_],
                                   out[:, qs], lse[:, :, qs], causal, docs=bd)
 
+    def timed(setup):
+        """Per-rank ms: the median over ``rounds`` rounds of ``cuda_time_ms(setup(r)(), 1, iters)``; each round
+        visits the ranks in another order (rotated, every other one reversed), so that drift in the GPU's state
+        (clocks, allocator) cannot land on the same ranks every time. Also each round's max/mean."""
+        per = [[] for _ in range(world)]
+        for i in range(rounds):
+            order = list(range(i % world, world)) + list(range(i % world))
+            for r in (order[::-1] if i % 2 else order):
+                work = setup(r)
+                per[r].append(cuda_time_ms(work, 1, iters) if device == "cuda" else (work(), 1.0)[1])
+        t = [statistics.median(x) for x in per]
+        rounds_mm = [max(x[i] for x in per) / (sum(x[i] for x in per) / world) for i in range(rounds)]
+        return t, rounds_mm
+
     def run(d, kk):
         sh = [[pairs_shard(t, r, world, kk).contiguous() for r in range(world)] for t in (q, k_, v, do)]
-        times, outs, launches = [], [], []
+        outs, launches = {}, []
         for r in range(world):
-            blocks = rank_blocks(r, world, L, d, kk)
-            launches.append(score_elements(blocks, L, world)[2])
-            o, l = forward(sh, r, blocks)
-            ob = o.to(dt)
-            outs.append(ob)
+            launches.append(score_elements(rank_blocks(r, world, L, d, kk), L, world)[2])
 
-            def work(r=r, blocks=blocks, ob=ob, l=l):
+        def setup(r):
+            blocks = rank_blocks(r, world, L, d, kk)
+            o, l = forward(sh, r, blocks)
+            ob = outs.setdefault(r, o.to(dt))
+
+            def work():
                 forward(sh, r, blocks)
                 backward(sh, r, blocks, ob, l)
-            times.append(cuda_time_ms(work, 1, iters) if device == "cuda" else (work(), 1.0)[1])
+            return work
+        times, rounds_mm = timed(setup)
         err = None
         if d is not None:  # correctness of the packed ring: merged rows vs per-document attention over the full row
-            got = pairs_unshard(outs, kk, dim=1)
+            got = pairs_unshard([outs[r] for r in range(world)], kk, dim=1)
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        return times, err, launches
+        return times, err, launches, rounds_mm
 
     def run_dispatch(m, d, plan):
         sh = [[d.shard(t, r).contiguous() for r in range(world)] for t in (q, k_, v, do)]
-        times, outs, launches, recv = [], [], [], []
+        outs, launches, recv = {}, [], []
         for r in range(world):
             blocks = dispatch_blocks(r, plan)
             launches.append(score_elements([(slice(None), s, None, True, bd) for s, _, bd in blocks], L, world)[2])
             recv.append(plan.received_tokens(r))
+
+        def setup(r):
             # what rank r receives at each step (gathered outside the timing: the real ring copies it on the sender)
             kv = [(sh[1][s] if rows is None else sh[1][s][:, rows.to(device)],
-                   sh[2][s] if rows is None else sh[2][s][:, rows.to(device)], bd) for s, rows, bd in blocks]
+                   sh[2][s] if rows is None else sh[2][s][:, rows.to(device)], bd)
+                  for s, rows, bd in dispatch_blocks(r, plan)]
 
-            def fwd(r=r, kv=kv):  # as dispatch_forward: every step merges its pieces into the fp32 accumulators
+            def fwd():  # as dispatch_forward: every step merges its pieces into the fp32 accumulators
                 acc = (torch.zeros(1, n, heads, dim, device=device),
                        torch.full((1, heads, n), -math.inf, device=device))
                 for kk_, vv, bd in kv:
                     kernels.attn_forward(sh[0][r], kk_, vv, True, docs=bd, into=acc)
                 return acc[0].to(dt), acc[1]
             ob, l = fwd()
-            outs.append(ob)
+            ob = outs.setdefault(r, ob)
 
-            def work(r=r, kv=kv, ob=ob, l=l, fwd=fwd):  # as dispatch_backward (less the transfers)
+            def work():  # as dispatch_backward (less the transfers)
                 fwd()
                 dq = torch.zeros(1, n, heads, dim, device=device)
                 for i, (kk_, vv, bd) in enumerate(kv):
@@ -314,13 +338,13 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
                     if i:  # src's grads leave in k's dtype
                         gk.to(dt), gv.to(dt)
                 return dq.to(dt)
-            times.append(cuda_time_ms(work, 1, iters) if device == "cuda" else (work(), 1.0)[1])
-            del kv
-        got = d.unshard(outs, dim=1)
+            return work
+        times, rounds_mm = timed(setup)
+        got = d.unshard([outs[r] for r in range(world)], dim=1)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        return d, times, err, launches, recv
+        return d, times, err, launches, recv, rounds_mm
 
-    def row(layout, t, err, launches, mb, ranks=None):
+    def row(layout, t, err, launches, mb, ranks=None, rounds_mm=()):
         if ranks is not None:  # per-rank counts and measured ms: the points bench/packed_fit.py re-fits the model on
             ranks = [dict(c, ms=round(ms, 3)) for c, ms in zip(ranks, t)]
         return dict(ranks=ranks, rank_ms=" ".join(f"{x:.1f}" for x in t), L=L, W=world, layout=layout,
@@ -329,24 +353,25 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
                     speedup=f"{sum(stream) / sum(t):.2f}x", wall_speedup=f"{max(stream) / max(t):.2f}x",
                     max_over_mean=f"{max(t) / (sum(t) / world):.3f}",
                     stream_max_over_mean=f"{max(stream) / (sum(stream) / world):.3f}",
-                    fa4_launches=f"{min(launches)}..{max(launches)}", kv_MB=mb, err=f"{err:.1e}", _slow=max(t))
+                    fa4_launches=f"{min(launches)}..{max(launches)}", kv_MB=mb, err=f"{err:.1e}", _slow=max(t),
+                    rounds_max_over_mean=" ".join(f"{x:.3f}" for x in rounds_mm))
 
     stream = run(None, 1)[0]
     rows = []
     for kk in ks:
-        t, err, launches = run(docs, kk)
+        t, err, launches, rmm = run(docs, kk)
         rows.append(row(f"{2 * world * kk} chunks, k={kk}", t, err, launches, f"{ring_kv_mb(L, world, heads, dim):.0f}",
-                        layout_counts(L, world, docs, kk)))
+                        layout_counts(L, world, docs, kk), rmm))
     seen = set()
     for m in per_rank:
         d, plan = dispatch_layout(lens, L, world, m)
         if d in seen:  # an explicit m equal to a pick: timed once
             continue
         seen.add(d)
-        d, t, err, launches, recv = run_dispatch(m, d, plan)
+        d, t, err, launches, recv, rmm = run_dispatch(m, d, plan)
         mb = [kv_mb(x, heads, dim) for x in recv]
         rows.append(row(_dispatch_name(d, world, m), t, err, launches, f"{min(mb):.0f}..{max(mb):.0f}",
-                        layout_counts(L, world, plan=plan)))
+                        layout_counts(L, world, plan=plan), rmm))
     default = next((r["_slow"] for r, kk in zip(rows, ks) if kk == zigzag_pairs(L, world)), None)
     for r in rows:
         slow = r.pop("_slow")
@@ -363,6 +388,9 @@ def main():
     ap.add_argument("--median", type=float, default=1500)
     ap.add_argument("--sigma", type=float, default=1.5)
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every rank this many times, each round in another rank order; per rank the median "
+                    "(noise vs effect: each round's max/mean is printed)")
     ap.add_argument("--pairs", type=int, nargs="+", default=None,
                     help="k values to time (default: 1 = plain zigzag and zigzag_pairs(L, W), what the ring picks)")
     ap.add_argument("--per-rank", type=int, nargs="+", default=None,
@@ -378,7 +406,7 @@ def main():
         return
     if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
         for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4),
-                          per_rank=("old", "prev", "new", 8)):
+                          per_rank=("old", "prev", "new", 8), rounds=2):
             print({k: v for k, v in r.items() if k != "ranks"})
             assert float(r["err"]) < 1e-5, r
         return
@@ -405,7 +433,7 @@ def main():
     rows = []
     for L in args.lengths:
         new = simulate(L, args.world, args.heads, args.head_dim, args.median, args.sigma, args.iters, pairs=args.pairs,
-                       per_rank=per_rank)
+                       per_rank=per_rank, rounds=args.rounds)
         rows += new
         print(*({k: v for k, v in r.items() if k != "ranks"} for r in new), sep="\n", flush=True)
         torch.cuda.empty_cache()
@@ -414,7 +442,7 @@ def main():
                        "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "vs_default", "fa4_launches",
                        "kv_MB", "err"]))
     print("\n## Measured ms per rank (fwd+bwd; the points `--fit` re-fits the time model on)\n")
-    print(table(rows, ["L", "layout", "rank_ms"]))
+    print(table(rows, ["L", "layout", "rank_ms", "rounds_max_over_mean"]))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_packed.json"), "w") as f:
             json.dump(dict(env=env_line(), counts=counts, rows=rows), f, indent=1)

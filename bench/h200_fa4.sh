@@ -46,7 +46,7 @@ case "${1:-}" in
     python3 bench/bench_packed.py --lengths 131072 524288 --world 8 --pairs 1 8 16 2>&1 | grep -v Warn | tee "$OUT/packed.log" | tail -30 ;;
   dispatch)
     shift
-    python3 bench/bench_packed.py --lengths ${@:-131072 524288} --world 8 --per-rank 2 4 8 2>&1 | grep -v Warn \
+    python3 bench/bench_packed.py --lengths ${@:-131072 524288} --world 8 --per-rank 2 4 8 --rounds ${ROUNDS:-3} 2>&1 | grep -v Warn \
       | tee "$OUT/packed_dispatch_${1:-all}.log" | tail -40 ;;
   trainpy-a)
     python3 bench/bench_train_py.py --shape llama3.2-3b --seq-length 32768 --configs offload --ga 1 4 --steps 3 \

@@ -14,9 +14,11 @@ import json
 import numpy as np
 
 # features, in units that keep the constants readable: ms per million elements, per piece, per 16K tokens
-FEATURES = ("Melem", "Melem_causal", "Melem_rect", "pieces", "extra_steps", "ring_step_16K", "tokens_16K")
-# dispatch.py's model: one rate for all score elements (Melem_causal / Melem_rect split it, for a --fit-features try)
-MODEL = ("Melem", "pieces", "extra_steps", "ring_step_16K", "tokens_16K")
+FEATURES = ("Melem", "Melem_causal", "Melem_rect", "pieces", "dense", "varlen", "extra_steps", "ring_step_16K",
+            "tokens_16K")
+# dispatch.py's model: one rate for all score elements (Melem_causal / Melem_rect split it, for a --fit-features try),
+# FA4 launches by kind (dense, varlen) and per piece
+MODEL = ("Melem", "pieces", "dense", "varlen", "extra_steps", "ring_step_16K", "tokens_16K")
 
 
 def features(c: dict) -> list[float]:
@@ -25,7 +27,8 @@ def features(c: dict) -> list[float]:
     extra = 0 if c["ring"] else c["steps"] - 1
     # the ring pays a full-size pass per step; the dispatch one (accumulator init + cast), then its pieces only
     passes = c["steps"] if c["ring"] else 1
-    return [(c["causal"] + c["rect"]) / 1e6, c["causal"] / 1e6, c["rect"] / 1e6, c["pieces"], extra, passes * k, k]
+    return [(c["causal"] + c["rect"]) / 1e6, c["causal"] / 1e6, c["rect"] / 1e6, c["pieces"], c["dense"],
+            c["varlen"], extra, passes * k, k]
 
 
 def _solve(x, y, use):
@@ -45,7 +48,8 @@ def current() -> dict:
     """dispatch.py's constants in FEATURES units (ms per unit)."""
     from easy_context import dispatch as D
     k = 16384 * D.MS_PER_ELEM
-    return dict(Melem=D.MS_PER_ELEM * 1e6, pieces=D.PIECE_TIME * D.MS_PER_ELEM, extra_steps=D.STEP_TIME * D.MS_PER_ELEM,
+    return dict(Melem=D.MS_PER_ELEM * 1e6, pieces=D.PIECE_TIME * D.MS_PER_ELEM, dense=D.DENSE_TIME * D.MS_PER_ELEM,
+                varlen=D.VARLEN_TIME * D.MS_PER_ELEM, extra_steps=D.STEP_TIME * D.MS_PER_ELEM,
                 ring_step_16K=D.STEP_TIME_PER_TOKEN * k, tokens_16K=D.TOKEN_TIME * k)
 
 
@@ -77,10 +81,23 @@ def fit(rows: list[dict], use=MODEL, iters: int = 5, fixed: dict | None = None) 
     return {n: float(c) for n, c in zip(FEATURES, coef)}, res
 
 
+def _with_kinds(rows: list[dict]) -> list[dict]:
+    """Rows of runs before the launch kinds were stored: their dense/varlen counts rebuilt (bench_packed is
+    deterministic: same rows, same seed; bench/packed_features.py)."""
+    from bench.packed_features import layout_features
+    for r in rows:
+        if r.get("ranks") and "dense" not in r["ranks"][0]:
+            from bench.bench_packed import doc_lengths
+            feats = layout_features(r["L"], r["W"], doc_lengths(r["L"], 1500, 1.5), r["layout"])
+            for c, f in zip(r["ranks"], feats):
+                c.update(dense=f["dense"], varlen=f["varlen"])
+    return rows
+
+
 def main(path: str, use=MODEL) -> dict:
     with open(path) as f:
         data = json.load(f)
-    rows = data.get("rows", [])
+    rows = _with_kinds(data.get("rows", []))
     errs = [abs(float(r["rel_err"])) for r in fit(rows, fixed=current())[1]]
     print(f"dispatch.py's model on {path}: |rel err| mean {np.mean(errs):.3f}, max {max(errs):.3f}")
     consts, res = fit(rows, use)

@@ -34,26 +34,33 @@ MAX_PER_RANK = 16        # chunks per rank tried by the cost model (more = bette
 # of ~0.5 ms per piece with FA4 on an H200 (sharding.py's k-pair sweep) at ~0.09 ms per million score elements.
 PIECE_COST = 5.0e6
 TOKEN_COST = 0.0         # the linear per-token part (MLP, projections): equal on every rank, so it never moves the deal
-# The time model the default solver picks by (rank ms, fwd+bwd, 32 heads x 128, FA4 on an H200), least squares on
-# relative errors of the slowest and the mean rank of the 9 layouts bench_packed.py timed at 128K and 512K (W=8,
-# zigzag, k pairs, dispatch m=2/4/8; docs/packed_dispatch.md): 0.097 ms per million score elements (causal halved)
-# + 0.22 ms per kernel piece + 0.99 ms per ring step per 16K local tokens (the full-size out/lse/dq buffers, casts
-# and merges each step made then) + 0.22 ms per 16K tokens; slowest and mean within 5% on 8 of the 9 layouts.
-MS_PER_ELEM = 0.097e-6
-PIECE_TIME = 2.3e6       # score elements per kernel piece (0.22 ms)
-STEP_TIME_PER_TOKEN = 620.0  # score elements per local token per ring step: the fixed ring (full-size passes)
+# The time model the default solver picks by (rank ms, fwd+bwd, 32 heads x 128, FA4 on an H200): `python
+# bench/bench_packed.py --fit bench/results/h200_packed_dispatch_2026-12-04_run2.json` (bench/packed_fit.py: least
+# squares on relative errors of the 104 per-rank times of the 13 layouts timed at 128K and 512K, W=8: zigzag, k
+# pairs, dispatch m=2/4/8 and the picks): 0.0945 ms per million score elements (causal halved) + 0.40 ms per dense
+# FA4 launch (FA4 runs a rank's diagonal pieces in one varlen call, kernels/documents._group, fitted at ~0) + 0.17 ms
+# per piece (its rows' merge) + 0.95 ms per 16K local tokens per full-size ring pass (the fixed ring makes one per
+# step, the dispatch one) + 0.14 ms per further dispatch step. Mean |error| 4.3% (5.0% with one cost per piece and
+# no launch kinds); the per-token work, equal on every rank, fitted at 0 and kept at 0.22 ms per 16K (TOKEN_TIME).
+MS_PER_ELEM = 0.0945e-6
+PIECE_TIME = 1.83e6      # score elements per kernel piece (0.173 ms)
+DENSE_TIME = 4.26e6      # per dense launch (0.402 ms)
+VARLEN_TIME = 0.0        # per varlen launch (fitted 0: its pieces' cost is in PIECE_TIME)
+STEP_TIME_PER_TOKEN = 615.0  # score elements per local token per full-size ring pass (0.952 ms per 16K)
 TOKEN_TIME = 140.0       # score elements per local token (0.22 ms per 16K): equal on every rank
-STEP_TIME = 1.0e6        # per dispatch step now that steps merge their pieces' rows only (into=): a guess, ~0.1 ms
+STEP_TIME = 1.44e6       # per dispatch step beyond the first (0.136 ms)
 
 
-def rank_ms(work, pieces, steps, tokens: int, ring: bool = False) -> list[float]:
+def rank_ms(work, pieces, steps, tokens: int, dense, varlen, ring: bool = False) -> list[float]:
     """Per-rank fwd+bwd ms of the fitted model (bench/packed_fit.py re-fits it) from per-rank work (score elements),
-    kernel pieces and ring steps, ``tokens`` local tokens a rank. ``ring``: the fixed ring, every step a full-size
-    pass; the dispatch makes one (accumulator init + cast), then each further step costs STEP_TIME."""
+    kernel pieces, ring steps and launches by kind (``dense``, ``varlen``), ``tokens`` local tokens a rank.
+    ``ring``: the fixed ring, every step a full-size pass; the dispatch makes one (accumulator init + cast), then
+    each further step costs STEP_TIME."""
     out = []
-    for w, p, st in zip(work, pieces, steps):
+    for w, p, st, nd, nv in zip(work, pieces, steps, dense, varlen):
         extra = STEP_TIME_PER_TOKEN * tokens * st if ring else STEP_TIME_PER_TOKEN * tokens + STEP_TIME * (st - 1)
-        out.append((w + PIECE_TIME * p + TOKEN_TIME * tokens + extra) * MS_PER_ELEM)
+        launch = DENSE_TIME * nd + VARLEN_TIME * nv
+        out.append((w + PIECE_TIME * p + launch + TOKEN_TIME * tokens + extra) * MS_PER_ELEM)
     return out
 
 

@@ -171,16 +171,24 @@ def _moves(segs, prefix, load, tile, three: bool, piece: float):
 
 class Estimate:
     """Per rank of a deal: work (score elements of its q rows), kernel pieces (a causal one per document piece on the
-    diagonal, a rectangle per (q segment, rank holding earlier rows of its first document)), ring steps (1 + the
-    ranks it needs kv from); ``time``: dispatch.py's fitted model in score elements (``step`` per extra step)."""
+    diagonal, a rectangle per (q segment, rank holding earlier rows of its first document)), FA4 launches by kind
+    (dense, varlen), ring steps (1 + the ranks it needs kv from); ``time``: dispatch.py's fitted model in score
+    elements (``step`` per extra step). Exact for the equal deals of 2-4 chunks a rank of bench_packed's rows; with
+    more, smaller chunks it counts a few rectangles more than the kernel runs (adjacent kv rows merge there)."""
 
     def __init__(self, segs, prefix, restarts, first, world, window=None):
+        from .kernels.documents import VARLEN_MIN_DOCS
         self.work, self.pieces, self.steps = [0.0] * world, [0] * world, [1] * world
+        # launches by kind (FA4, kernels/documents._group): a rank's own step lists its diagonal pieces (one per
+        # document part) first, contiguous across its segments: one varlen launch when there are >= VARLEN_MIN_DOCS,
+        # else one dense launch each; every rectangle (earlier rows of a document, own or received) is a dense launch
+        self.dense, self.varlen = [0] * world, [0] * world
+        diag = [0] * world
         starts = [s[0] for s in segs]
         srcs = [set() for _ in range(world)]
         for s0, s1, r in segs:
             self.work[r] += float(prefix[s1] - prefix[s0])
-            self.pieces[r] += 1 + int(restarts[s1] - restarts[s0 + 1])
+            diag[r] += 1 + int(restarts[s1] - restarts[s0 + 1])
             lo = int(first[s0])
             if window is not None:
                 lo = max(lo, s0 - window + 1)
@@ -189,12 +197,20 @@ class Estimate:
             j = max(bisect.bisect_right(starts, lo) - 1, 0)
             held = {segs[i][2] for i in range(j, bisect.bisect_left(starts, s0, j))}
             self.pieces[r] += len(held)
+            self.dense[r] += len(held)
             srcs[r] |= held - {r}
+        for r in range(world):
+            self.pieces[r] += diag[r]
+            if diag[r] >= VARLEN_MIN_DOCS:
+                self.varlen[r] += 1
+            else:
+                self.dense[r] += diag[r]
         self.steps = [1 + len(x) for x in srcs]
 
     def time(self, step: float) -> list[float]:
-        from .dispatch import PIECE_TIME
-        return [w + PIECE_TIME * p + step * (n - 1) for w, p, n in zip(self.work, self.pieces, self.steps)]
+        from .dispatch import DENSE_TIME, PIECE_TIME, VARLEN_TIME
+        return [w + PIECE_TIME * p + DENSE_TIME * d + VARLEN_TIME * v + step * (n - 1)
+                for w, p, d, v, n in zip(self.work, self.pieces, self.dense, self.varlen, self.steps)]
 
     @property
     def max_over_mean(self) -> float:

@@ -15,7 +15,8 @@ def _rows(consts, noise=0.0, seed=0):
             ranks = []
             for _ in range(8):
                 c = dict(causal=float(rng.uniform(5e6, 2e9) * L / 131072), rect=float(rng.uniform(1e6, 1e9)),
-                         pieces=int(rng.integers(4, 50)), launches=3, steps=int(rng.integers(1, 9)), ring=ring,
+                         pieces=int(rng.integers(4, 50)), launches=3, dense=int(rng.integers(1, 30)),
+                         varlen=int(rng.integers(0, 3)), steps=int(rng.integers(1, 9)), ring=ring,
                          tokens=L // 8)
                 f = dict(zip(packed_fit.FEATURES, packed_fit.features(c)))
                 c["ms"] = sum(consts[k] * f[k] for k in consts) * (1 + noise * rng.standard_normal())
