@@ -90,7 +90,7 @@ def train(args):
         except ValueError as e:
             raise UsageError(str(e)) from None
     apply_seq_parallel_monkey_patch(model, layout)  # data_parallel: plain attention; hybrids reset state per document
-    apply_memory_options(model, args)
+    apply_memory_options(model, args, layout, accelerator)  # --checkpointing auto: budgets agreed over ranks
     model = apply_lora(model, args)  # --lora-rank: PEFT adapters around the patched base (base frozen)
     use_ds = configure_deepspeed(accelerator, args)
     optimizer, scheduler = build_optimizer(model, args, use_ds)

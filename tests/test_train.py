@@ -183,8 +183,10 @@ def test_zigzag_equals_single_process_and_lr_is_flag(toy, reference, tmp_path):
 
 
 # each mode also carries memory options (exact, so the curve must still match): hook points exercised
-# under DeepSpeed ZeRO-3 without extra launches
-MEMORY_FLAGS = {"ulysses_attn": ["--chunked-loss", "--tiled-mlp"], "usp_attn": ["--checkpointing", "offload"],
+# under DeepSpeed ZeRO-3 without extra launches. usp: --checkpointing auto (offload k=1, every layer selective at
+# these budgets; the 2 ranks agree through one all_gather)
+AUTO = ["--checkpointing", "auto", "--gpu-budget-gib", "1", "--host-budget-gib", "1"]
+MEMORY_FLAGS = {"ulysses_attn": ["--chunked-loss", "--tiled-mlp"], "usp_attn": AUTO,
                 "dist_flash_attn": ["--checkpointing", "none"]}
 
 
@@ -192,9 +194,14 @@ MEMORY_FLAGS = {"ulysses_attn": ["--chunked-loss", "--tiled-mlp"], "usp_attn": [
 @pytest.mark.parametrize("mode", ["ulysses_attn", "usp_attn", "dist_flash_attn"])
 def test_other_sp_modes_equal_single_process(toy, reference, tmp_path, mode):
     out = tmp_path / mode
-    _ok(run_train(2, out, mode, ["--no-save-model", *MEMORY_FLAGS.get(mode, [])]))
+    p = run_train(2, out, mode, ["--no-save-model", *MEMORY_FLAGS.get(mode, [])])
+    _ok(p)
     got = losses(out)
     assert all(abs(a - b) <= 1e-4 for a, b in zip(got, reference)) and len(got) == STEPS, (got, reference)
+    if MEMORY_FLAGS.get(mode) == AUTO:  # one line on the main process; the choice in run.json
+        assert p.stdout.count("--checkpointing auto (") == 1, p.stdout[-2000:]
+        chosen = json.load(open(out / "run.json"))["auto_checkpointing"]
+        assert chosen["offload_every_k"] == 1 and len(chosen["selective_layers"]) > 0, chosen
 
 
 @pytest.mark.slow

@@ -80,6 +80,21 @@ def _host_available() -> float:
         return 0.0
 
 
+def measure_budgets(model, gpu_budget: float | None = None, host_budget: float | None = None) -> tuple[float, float]:
+    """(GPU, host) bytes for ``choose_checkpointing``; a budget given is kept, a missing one measured in this process:
+    free GPU memory minus the gradients still to come (``model``'s trainable parameters without a .grad), and 80% of
+    the host's MemAvailable (the whole node's: processes sharing it must split it)."""
+    import torch
+    if gpu_budget is None:
+        if not torch.cuda.is_available():
+            raise ValueError("auto checkpointing needs gpu_budget= on a machine without CUDA")
+        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+        gpu_budget = torch.cuda.mem_get_info()[0] - grads
+    if host_budget is None:
+        host_budget = 0.8 * _host_available()
+    return float(gpu_budget), float(host_budget)
+
+
 def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host_budget: float | None = None,
                        kernel: str | None = None, tiled_mlp=True, lean_norm: bool = True, margin: float = MARGIN):
     """Choose (``choose_checkpointing``) and apply (``configure_memory``) offloaded checkpointing for ``tokens``
@@ -90,13 +105,7 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
     from ..tools.plan.shape import shape_from_dict
     from . import configure_memory
     shape = shape_from_dict(type(model).__name__, model.config.to_dict())
-    if gpu_budget is None:
-        if not torch.cuda.is_available():
-            raise ValueError("auto checkpointing needs gpu_budget= on a machine without CUDA")
-        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
-        gpu_budget = torch.cuda.mem_get_info()[0] - grads
-    if host_budget is None:
-        host_budget = 0.8 * _host_available()
+    gpu_budget, host_budget = measure_budgets(model, gpu_budget, host_budget)
     if kernel is None:
         from ..kernels import fa4
         kernel = "fa4" if torch.cuda.is_available() and fa4.usable(torch.cuda.current_device()) else "cudnn"
@@ -107,4 +116,4 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
     return choice, cfg
 
 
-__all__ = ["CheckpointChoice", "choose_checkpointing", "auto_checkpointing"]
+__all__ = ["CheckpointChoice", "choose_checkpointing", "measure_budgets", "auto_checkpointing"]

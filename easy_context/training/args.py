@@ -7,7 +7,7 @@ import os
 from ..registry import DEFAULT_MODE, get_mode, mode_names, modes_taking
 from .errors import UsageError, fail
 
-CHECKPOINTING = ("layer", "selective", "offload", "nested", "none")
+CHECKPOINTING = ("layer", "selective", "offload", "nested", "none", "auto")
 
 
 def duration(text: str) -> float:
@@ -83,8 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     # memory options (easy_context.memory)
     a("--checkpointing", choices=CHECKPOINTING, default="layer",
       help="activation checkpointing: per layer (HF), selective (keep attention output), offload (kept layer "
-      "inputs in host memory), nested (one kept input per --offload-every-k layers), none")
-    a("--offload-every-k", type=int, default=1, help="offload/nested: keep one layer input per k layers")
+      "inputs in host memory), nested (one kept input per --offload-every-k layers), none, or auto: offload with k "
+      "and selective layers chosen from each rank's GPU and host memory, the same on every rank (turns on "
+      "--chunked-loss and --tiled-mlp, which its memory model assumes; easy_context/training/auto_checkpointing.py)")
+    a("--offload-every-k", type=int, default=None, help="offload/nested: keep one layer input per k layers (default 1)")
+    a("--gpu-budget-gib", type=float, default=None, help="--checkpointing auto: GPU memory per rank for activations "
+      "(weights, gradients, optimizer state excluded); default: measured (needed on a machine without CUDA)")
+    a("--host-budget-gib", type=float, default=None, help="--checkpointing auto: host memory PER NODE for offloaded "
+      "checkpoints, split evenly among the node's ranks (LOCAL_WORLD_SIZE); default: 80%% of MemAvailable less "
+      "ZeRO's CPU-offloaded optimizer state")
+    a("--auto-margin", type=float, default=None,
+      help="--checkpointing auto: share of the GPU budget left unplanned (default 0.06; raise it after an OOM)")
     a("--chunked-loss", action="store_true", help="LM head + loss in chunks, never materializing full logits")
     a("--tiled-mlp", action="store_true", help="run MLPs tile by tile along the sequence")
     a("--no-sliding-window", action="store_true",
@@ -111,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 FLOAT_FLAGS = ("--learning-rate", "--rope-theta", "--rope-factor", "--min-lr-ratio", "--weight-decay",
                "--max-grad-norm", "--save-rope-theta", "--collective-timeout", "--timeout", "--lora-alpha",
-               "--router-aux-loss-coef")
+               "--router-aux-loss-coef", "--gpu-budget-gib", "--host-budget-gib", "--auto-margin")
 
 
 def _join_negative_numbers(argv: list[str]) -> list[str]:
@@ -154,6 +163,33 @@ def check_model_path(name: str, flag: str = "--model") -> None:
     if looks_like_path(name) and not os.path.isdir(path):
         raise UsageError(f"{flag} {name!r}: no such directory (a local Hugging Face model directory was meant; "
                          "check the path, or pass a hub name like org/model)")
+
+
+def check_auto_checkpointing(args) -> None:
+    """--checkpointing auto and its budgets; fills in what auto implies (--chunked-loss, --tiled-mlp). Imports torch
+    only for auto without --gpu-budget-gib, to refuse a machine without CUDA before anything heavy."""
+    auto = args.checkpointing == "auto"
+    given = [f for f, v in (("--gpu-budget-gib", args.gpu_budget_gib), ("--host-budget-gib", args.host_budget_gib),
+                            ("--auto-margin", args.auto_margin)) if v is not None]
+    if not auto:
+        if given:
+            raise UsageError(f"{' / '.join(given)} apply to --checkpointing auto only (got --checkpointing "
+                             f"{args.checkpointing})")
+        return
+    if args.offload_every_k is not None:
+        raise UsageError("--offload-every-k and --checkpointing auto: auto chooses k from the host memory; pass one "
+                         "(or --checkpointing offload --offload-every-k K)")
+    for flag, val in (("--gpu-budget-gib", args.gpu_budget_gib), ("--host-budget-gib", args.host_budget_gib)):
+        if val is not None and not val > 0:
+            raise UsageError(f"{flag} must be > 0 GiB, got {val:g}")
+    if args.auto_margin is not None and not 0 <= args.auto_margin < 1:
+        raise UsageError(f"--auto-margin must be in [0, 1), got {args.auto_margin:g}")
+    if args.gpu_budget_gib is None:
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError("--checkpointing auto measures free GPU memory, and this machine has no CUDA: pass "
+                             "--gpu-budget-gib G (the GPU memory per rank to plan for)")
+    args.chunked_loss = args.tiled_mlp = True  # the memory auto plans with counts neither full logits nor full MLPs
 
 
 def check_args(args) -> None:
@@ -204,6 +240,7 @@ def check_args(args) -> None:
         raise UsageError(f"--eval-every must be >= 0 and --eval-rows >= 1, got {args.eval_every} and {args.eval_rows}")
     if args.eval_every and args.eval_dataset is None:
         raise UsageError("--eval-every needs --eval-dataset (the held-out rows to evaluate)")
+    check_auto_checkpointing(args)
     if args.resume and args.overwrite_output_dir:
         raise UsageError("--resume continues the run in --output-dir; --overwrite-output-dir deletes it: pass one")
     if args.ring_degree is not None and "ring_degree" not in mode.degree_kwargs:

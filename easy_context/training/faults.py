@@ -123,7 +123,8 @@ def oom_message(args, step: int) -> str:
     from ..registry import get_mode
     sp = args.sp_size or (world if get_mode(args.parallel_mode).is_parallel else 1)
     opts = [f"--seq-length {args.seq_length}", f"--parallel_mode {args.parallel_mode}", f"sp {sp} x dp {world // sp}",
-            f"--batch-size {args.batch_size}", f"--checkpointing {args.checkpointing}",
+            f"--batch-size {args.batch_size}", f"--checkpointing {args.checkpointing}"
+            + (" (raise --auto-margin)" if args.checkpointing == "auto" else ""),
             "--chunked-loss" if args.chunked_loss else "no --chunked-loss",
             "--tiled-mlp" if args.tiled_mlp else "no --tiled-mlp"]
     if args.ring_degree:

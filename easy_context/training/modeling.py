@@ -121,18 +121,26 @@ def no_decay_names(model) -> set:
     return skip
 
 
-def apply_memory_options(model, args) -> None:
-    """--checkpointing / --tiled-mlp / --fused-ops (--chunked-loss acts in the loss)."""
+def apply_memory_options(model, args, layout=None, accelerator=None):
+    """--checkpointing / --tiled-mlp / --fused-ops (--chunked-loss acts in the loss). ``--checkpointing auto`` needs
+    the ``layout`` (local tokens per rank) and the ``accelerator`` (budgets agreed over all ranks: collective on
+    every rank; training/auto_checkpointing.py) and returns its CheckpointChoice; otherwise None."""
     from easy_context.memory import configure_memory
     from easy_context.ops import apply_fused_ops
 
+    choice = None
     try:
-        configure_memory(model, checkpointing=args.checkpointing, offload_every_k=args.offload_every_k,
-                         tiled_mlp=args.tiled_mlp)
+        if args.checkpointing == "auto":
+            from .auto_checkpointing import apply_auto_checkpointing
+            choice = apply_auto_checkpointing(model, args, layout, accelerator)
+        else:
+            configure_memory(model, checkpointing=args.checkpointing, tiled_mlp=args.tiled_mlp,
+                             offload_every_k=1 if args.offload_every_k is None else args.offload_every_k)
         if args.fused_ops:  # after configure_memory, which resets the norms it manages
             apply_fused_ops(model)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    return choice
 
 
 def final_config(config, rope_theta: float, seq_length: int):
