@@ -163,3 +163,23 @@ def test_prepare_text_document_masking(chat, tmp_path, capsys):
         # every BOS starts a document (position 0), and nothing else does except a row's first token
         assert [i for i, p in enumerate(pos) if p == 0 and i] == [i for i, t in enumerate(ids) if t == tok.bos_token_id
                                                                   and i]
+
+
+@pytest.mark.slow
+def test_packed_resume_with_the_dispatch_planned_ahead(chat, chat_data, tmp_path):
+    """train.py reads one optimizer step ahead to plan packed rows' dispatch in a helper process
+    (training/plan_ahead.py): a crash after checkpoint 2 and a resume must train steps 3-4 on the same micro-batches
+    as an uninterrupted run (the checkpoint records the data position of the batches trained on, not those read
+    ahead), with GA 2 so that a whole step is in flight at the checkpoint."""
+    from tests.test_train import _env
+    common = ["--model", chat["model"], "--dataset", chat_data[0], "--seq-length", str(SEQ), "--max-train-steps", "4",
+              "--learning-rate", "3e-3", "--warmup-steps", "1", "--no-save-model", "--timeout", "120",
+              "--gradient-accumulate-every", "2", "--checkpoint-every", "2", "--parallel_mode", "zigzag_ring_attn"]
+    _ok(launch(2, [*common, "--output-dir", str(tmp_path / "whole")]))
+    out = str(tmp_path / "crash")
+    p = launch(2, [*common, "--output-dir", out], env=_env(EASY_CONTEXT_CRASH="step:2"))
+    assert p.returncode != 0 and os.path.isdir(os.path.join(out, "checkpoints", "step-0000002"))
+    p = launch(2, [*common, "--output-dir", out, "--resume"])
+    _ok(p)
+    want, got = losses(tmp_path / "whole"), losses(out)
+    assert len(got) == 4 and all(abs(a - b) <= 1e-5 for a, b in zip(got, want)), (got, want)

@@ -24,6 +24,22 @@ from concurrent.futures import ProcessPoolExecutor
 from .packed_data import batch_targets
 
 
+def _helper_init() -> None:
+    """In the helper: die with the rank that started it (Linux PR_SET_PDEATHSIG; a killed rank must not leave an
+    orphan holding its log pipes open), and write nothing to the rank's stdout/stderr (errors come back through the
+    future)."""
+    import os
+    import signal
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+
+
 def plan_table(mode_name: str, sp: int, layout_kw: dict, positions):
     """The dispatch table ``prepare_seq_parallel_inputs`` would plan for these global (B, L) positions (or None)."""
     from ..registry import get_mode
@@ -85,7 +101,8 @@ class PlannedBatches:
     def _submit(self, pos):
         try:
             if self._pool is None:  # spawn: a fork would copy the training process's threads and CUDA state
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+                                                 initializer=_helper_init)
             return self._pool.submit(plan_table, *self._args, pos.cpu())
         except Exception:  # no helper process here (a sandbox, a broken pool): plan when it is needed
             self.close()
