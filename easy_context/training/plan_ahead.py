@@ -30,11 +30,9 @@ def _helper_init() -> None:
     future)."""
     import os
     import signal
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+
+    from .run_dir import signal_on_parent_death
+    signal_on_parent_death(signal.SIGKILL)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
@@ -51,10 +49,10 @@ class PlannedBatches:
     with its dispatch table planned ``ahead`` micro-batches early in a helper process (None when the rows are not
     packed or the layout never dispatches). ``state_dict()`` replaces ``loader.state_dict()`` for checkpoints."""
 
-    def __init__(self, batches, loader, layout, ahead: int, enabled: bool = True):
+    def __init__(self, batches, loader, layout, ahead: int):
         self._it, self._loader = iter(batches), loader
         self._args = (layout.mode.name, layout.sp, dict(layout.layout_kw))
-        self._on = enabled and layout.sp > 1 and layout.mode.dispatches
+        self._on = layout.sp > 1 and layout.mode.dispatches
         self._ahead = max(1, int(ahead))
         self._queue: deque = deque()   # (inputs, positions, targets, future or table, loader state after it)
         self._state = copy.deepcopy(loader.state_dict())

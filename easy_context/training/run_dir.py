@@ -156,18 +156,22 @@ class RunLock:
             self.held = False
 
 
+def signal_on_parent_death(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG); False where unsupported."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def exit_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent (the launcher) dies; exit now if it already has."""
     import signal
     if os.environ.get("LOCAL_RANK") is None:  # not started by a launcher
         return
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the launcher died before prctl took effect
+    if signal_on_parent_death(signal.SIGTERM) and os.getppid() == 1:  # the launcher died before prctl took effect
         os._exit(143)
 
 
