@@ -95,7 +95,8 @@ def configure(model, impl, L, args):
                            tiled_mlp="auto" if args.tiles == "auto" else int(args.tiles),
                            selective=args.selective or some is not None, lean_norm=not args.no_lean_norm,
                            selective_layers=some,
-                           keep_nested_attention=not getattr(args, "recompute_nested", False))
+                           keep_nested_attention=not getattr(args, "recompute_nested", False),
+                           head_chunks=getattr(args, "head_chunks", 1) if impl == "ours" else 1)
     if not args.no_fused_rope:
         apply_fused_ops(model, norms=False, rope=True)
     if impl == "probe":
@@ -368,6 +369,8 @@ def main():
                     "($OUT/offload_trace_L.json)")
     ap.add_argument("--recompute-nested", action="store_true",
                     help="inner layers of a nested group recompute attention twice (the pre-2026-12-04 behaviour)")
+    ap.add_argument("--head-chunks", type=int, default=1,
+                    help="ours: attention blocks in this many head groups, backward one at a time (memory/head_chunks)")
     ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean (fused) RMSNorm")
     ap.add_argument("--no-fused-rope", action="store_true", help="ours with HF's RoPE instead of the fused one")
     ap.add_argument("--budget-s", type=float, default=510.0, help="whole-run wall-clock budget (seconds)")

@@ -93,7 +93,7 @@ def run(args, L):
     ns = argparse.Namespace(checkpointing=args.checkpointing, every_k=1, selective_layers=None, host_gib=1e9,
                             probe_host_gib=1e9,
                             tiles="auto", selective=args.selective, no_lean_norm=args.no_lean_norm,
-                            no_fused_rope=args.no_fused_rope)
+                            no_fused_rope=args.no_fused_rope, head_chunks=args.head_chunks)
     configure(model, args.config, L, ns)
     host = set()
     orig_new = offload_mod.HostPool._new
@@ -134,6 +134,7 @@ def main():
     ap.add_argument("--selective", action="store_true")
     ap.add_argument("--no-lean-norm", action="store_true")
     ap.add_argument("--no-fused-rope", action="store_true")
+    ap.add_argument("--head-chunks", type=int, default=1, help="attention blocks in head groups (memory/head_chunks)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lengths", type=int, nargs=2, default=[8192, 16384])

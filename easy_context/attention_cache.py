@@ -51,16 +51,18 @@ class _LayerCache:
 
     def put(self, entry):
         self.entries.append(entry)
+        self.pos = len(self.entries)  # a layer may call attention more than once (head groups): the next is new
 
-    def action(self) -> str:
-        """What an attention call does now: "compute", "store" or "take" (see the class doc)."""
+    def action(self, grad: bool | None = None) -> str:
+        """What an attention call does now: "compute", "store" or "take" (see the class doc). ``grad``: the grad
+        mode of the call (default: the current one; a head-chunked block passes the one it was called in)."""
         if self.keep_forward:
             return "take" if self.replaying else "store"
         if not self.replaying:
             return "compute"
         if self.pos < len(self.entries):
             return "take_once"
-        return "compute" if torch.is_grad_enabled() else "store"
+        return "compute" if (torch.is_grad_enabled() if grad is None else grad) else "store"
 
 
 def cached_attention(compute):
@@ -71,6 +73,24 @@ def cached_attention(compute):
     """
     cache = _ACTIVE.get()
     action = "compute" if cache is None else cache.action()
+    if action == "compute":
+        return compute()
+    if action == "chain":  # a head group (memory/head_chunks.py): ask the enclosing cache, keep what it gives
+        parent = cache.parent
+        token = _ACTIVE.set(parent)
+        try:
+            if parent is None:
+                res = tuple(compute())
+            else:
+                res = tuple(_resolve(parent, parent.action(cache.grad), compute))
+        finally:
+            _ACTIVE.reset(token)
+        cache.put(tuple(t.detach() for t in res))
+        return res
+    return _resolve(cache, action, compute)
+
+
+def _resolve(cache, action, compute):
     if action == "compute":
         return compute()
     if action in ("take", "take_once"):

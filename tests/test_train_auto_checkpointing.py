@@ -166,3 +166,58 @@ def test_auto_choice_on_a_tiny_model_is_exact(tmp_path):
     assert_close(loss.detach(), ref_loss, 1e-6, "auto loss")
     for name, p in model.named_parameters():
         assert_close(p.grad, ref_grads[name], 1e-6, f"auto grad {name}")
+
+
+# ------------------------------------------------------------------------------------------ head chunks
+def test_auto_takes_head_groups_when_they_buy_selective_layers():
+    """At 1M tokens of the 7B shape on one H200 the whole-head working set does not fit at k=4; in head groups it
+    does (the planner's numbers, memory/head_chunks.py), and with room to spare the fewest groups win."""
+    from easy_context.tools.plan import load_shape
+    shape = load_shape("llama-2-7b")
+    gpu, host = 110 * GiB, 100 * GiB  # an H200 less 27 GiB of bf16 weights + grads; ~100 GiB of host
+    with pytest.raises(ValueError, match="one layer's backward needs"):
+        choose_checkpointing(shape, 1 << 20, gpu, host)
+    c = choose_checkpointing(shape, 1 << 20, gpu, host, head_chunks=(1, 2, 4, 8))
+    assert c.head_chunks in (2, 4, 8) and "head groups" in c.describe()
+    roomy = choose_checkpointing(shape, 1 << 15, gpu, host, head_chunks=(1, 2, 4, 8))
+    assert roomy.head_chunks == 1 and len(roomy.selective_layers) == shape.layers
+
+
+def test_auto_head_groups_on_a_tiny_model_are_exact(tmp_path):
+    """A mode's attention: auto may chunk the heads; the gradients stay those of plain checkpointing."""
+    from easy_context import apply_seq_parallel_monkey_patch
+    from easy_context.memory import causal_lm_loss, head_chunks_of
+    from easy_context.memory.auto import MARGIN
+    from easy_context.registry import SEQ_ALGOS, get_mode
+    from easy_context.tools.plan.memory import attn_working_set
+    from easy_context.tools.plan.shape import shape_from_dict
+    from easy_context.training.modeling import apply_memory_options
+    mode = next(m for m in SEQ_ALGOS if get_mode(m).supports_attention_cache)
+    ref = build_model("llama", num_hidden_layers=4)
+    T = 24
+    shape = shape_from_dict(type(ref).__name__, ref.config.to_dict())
+    out = (2 * shape.d_attn + 4 * shape.heads) * T
+    # room for every layer's output only with the heads in 2 groups
+    gpu = (attn_working_set(shape, "cudnn", "offload", T, 2) + 4.5 * out) / (1 - MARGIN)
+    model = apply_seq_parallel_monkey_patch(mode, copy.deepcopy(ref))
+    args = _args(tmp_path, "--checkpointing", "auto", "--gpu-budget-gib", repr(gpu / GiB), "--host-budget-gib", "1")
+    choice = apply_memory_options(model, args, SimpleNamespace(sp=1), _accelerator())
+    assert choice.head_chunks == 2 and head_chunks_of(model) == 2 and len(choice.selective_layers) == 4, choice
+    ids, pos, tgt = make_batch(1, T, ref.config.vocab_size, labels_mask="random")
+    _, ref_loss, ref_grads = reference_step(copy.deepcopy(ref), ids, pos, tgt)
+    loss = causal_lm_loss(model, ids, pos, tgt)
+    loss.backward()
+    assert_close(loss.detach(), ref_loss, 1e-5, "auto head groups loss")
+    for name, p in model.named_parameters():
+        assert_close(p.grad, ref_grads[name], 1e-5, f"auto head groups grad {name}")
+    # an explicit --head-chunks under ZeRO-3 and with the model's own attention are refused up front
+    zero3 = _accelerator()
+    zero3.state.deepspeed_plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(UsageError, match="ZeRO-3"):
+        apply_memory_options(copy.deepcopy(model), _args(tmp_path, "--head-chunks", "2", "--parallel_mode", mode),
+                             SimpleNamespace(sp=1), zero3)
+    plain = next(m for m in SEQ_ALGOS if not get_mode(m).is_parallel)
+    with pytest.raises(UsageError, match="--head-chunks needs a sequence-parallel mode"):
+        _args(tmp_path, "--head-chunks", "2", "--parallel_mode", plain)
+    with pytest.raises(UsageError, match="--head-chunks must be >= 1"):
+        _args(tmp_path, "--head-chunks", "0")

@@ -31,44 +31,71 @@ class CheckpointChoice:
     gpu_extra_bytes: float   # GPU memory of the selective outputs and nested transients
     saved_s: float           # predicted attention recompute time the selective layers skip
     reason: str
+    head_chunks: int = 1     # attention blocks in head groups (memory/head_chunks.py)
 
     def describe(self) -> str:
-        return (f"offload k={self.offload_every_k} ({self.host_bytes / GiB:.1f} GiB host), "
+        heads = f", attention in {self.head_chunks} head groups" if self.head_chunks > 1 else ""
+        return (f"offload k={self.offload_every_k} ({self.host_bytes / GiB:.1f} GiB host){heads}, "
                 f"{len(self.selective_layers)} selective layers (+{self.gpu_extra_bytes / GiB:.1f} GiB GPU, "
                 f"~{self.saved_s:.1f} s less recompute): {self.reason}")
 
 
 def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: float, kernel: str = "fa4",
-                         gpu: str = "h200", margin: float = MARGIN) -> CheckpointChoice:
+                         gpu: str = "h200", margin: float = MARGIN, head_chunks=(1,)) -> CheckpointChoice:
     """``shape``: a tools.plan Shape; ``gpu_budget``: bytes free for activations (weights and gradients already
     counted out); ``host_budget``: bytes of host memory that may be pinned; ``margin``: the share of the GPU budget
-    left unplanned (allocator slack, what the working-set model misses). Raises ValueError when even one kept
-    input per every layer of the model does not fit the host, or the working set does not fit the GPU."""
+    left unplanned (allocator slack, what the working-set model misses); ``head_chunks``: the head-group counts
+    allowed (memory/head_chunks.py: same FLOPs, a smaller working set): the fewest groups that keep the most
+    selective layers win. Raises ValueError when even one kept input per every layer of the model does not fit the
+    host, or the working set does not fit the GPU at any allowed head-group count."""
+    best = None
+    for n in sorted({int(c) for c in head_chunks}):
+        try:
+            c = _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n)
+        except _NoRoom as e:
+            if best is None and n == max(head_chunks):
+                raise ValueError(str(e)) from None
+            continue
+        if best is None or len(c.selective_layers) > len(best.selective_layers):
+            best = c
+    return best
+
+
+class _NoRoom(ValueError):
+    pass
+
+
+def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n) -> CheckpointChoice:
     from ..tools.plan import gpu_constants
     from ..tools.plan.memory import attn_working_set
     from ..tools.plan.step_time import _interp
-    n, T, d, da = shape.layers, float(tokens), shape.hidden, shape.d_attn
+    layers_n, T, d, da = shape.layers, float(tokens), shape.hidden, shape.d_attn
     inp, out = 2 * d * T, (2 * da + 4 * shape.heads) * T
     if host_budget < inp:
         raise ValueError(f"auto checkpointing: one layer input at {tokens} tokens is {inp / GiB:.1f} GiB, more than "
                          f"the {host_budget / GiB:.1f} GiB of host memory available: shorten the sequence or use "
                          "checkpointing='nested' (inputs kept on the GPU)")
-    k = max(1, math.ceil(n * inp / host_budget))
-    if k > n:
-        raise ValueError(f"auto checkpointing: {n} layers need at least {inp / GiB:.1f} GiB of host memory")
-    work = attn_working_set(shape, kernel, "offload", T) + (k - 1) * (inp + out)
+    k = max(1, math.ceil(layers_n * inp / host_budget))
+    if k > layers_n:
+        raise ValueError(f"auto checkpointing: {layers_n} layers need at least {inp / GiB:.1f} GiB of host memory")
+    work = attn_working_set(shape, kernel, "offload", T, n) + (k - 1) * (inp + out)
     room = gpu_budget * (1 - margin) - work
     if room < 0:
-        raise ValueError(f"auto checkpointing: one layer's backward needs ~{work / GiB:.1f} GiB at {tokens} tokens, "
-                         f"more than the {gpu_budget / GiB:.1f} GiB free: use more sequence-parallel ranks")
-    s = min(n, int(room // out))
+        heads = f" (attention in {n} head groups)" if n > 1 else ""
+        raise _NoRoom(f"auto checkpointing: one layer's backward needs ~{work / GiB:.1f} GiB at {tokens} tokens"
+                      f"{heads}, more than the {gpu_budget / GiB:.1f} GiB free: use more sequence-parallel ranks")
+    s = min(layers_n, int(room // out))
     rate = _interp(gpu_constants(gpu)["attn_fwd_tflops"].get(kernel, gpu_constants(gpu)["attn_fwd_tflops"]["cudnn"]),
                    tokens) * 1e12
     t_fwd = 2.0 * T * T * da / rate  # causal attention forward of one layer
-    layers = tuple(range(n - s, n))
+    layers = tuple(range(layers_n - s, layers_n))
     why = (f"host {host_budget / GiB:.0f} GiB -> k={k}; GPU {gpu_budget / GiB:.0f} GiB - working set "
            f"{work / GiB:.1f} GiB -> {s} x {out / GiB:.2f} GiB attention outputs")
-    return CheckpointChoice(k, layers, math.ceil(n / k) * inp, s * out + (k - 1) * (inp + out), s * t_fwd, why)
+    if n > 1:
+        less = attn_working_set(shape, kernel, "offload", T) - attn_working_set(shape, kernel, "offload", T, n)
+        why += f" (attention in {n} head groups: {less / GiB:.1f} GiB less working set)"
+    return CheckpointChoice(k, layers, math.ceil(layers_n / k) * inp, s * out + (k - 1) * (inp + out), s * t_fwd,
+                            why, n)
 
 
 def _host_available() -> float:
@@ -96,10 +123,12 @@ def measure_budgets(model, gpu_budget: float | None = None, host_budget: float |
 
 
 def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host_budget: float | None = None,
-                       kernel: str | None = None, tiled_mlp=True, lean_norm: bool = True, margin: float = MARGIN):
+                       kernel: str | None = None, tiled_mlp=True, lean_norm: bool = True, margin: float = MARGIN,
+                       head_chunks="auto"):
     """Choose (``choose_checkpointing``) and apply (``configure_memory``) offloaded checkpointing for ``tokens``
     local tokens. Budgets default to this process's: free GPU memory minus the bf16 gradients still to come, and
-    80% of the host's MemAvailable. Returns (CheckpointChoice, MemoryConfig)."""
+    80% of the host's MemAvailable. ``head_chunks``: "auto" (any count the model allows, memory/head_chunks.py; 1
+    when it cannot be chunked), a count, or counts to choose from. Returns (CheckpointChoice, MemoryConfig)."""
     import torch
 
     from ..tools.plan.shape import shape_from_dict
@@ -109,10 +138,14 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
     if kernel is None:
         from ..kernels import fa4
         kernel = "fa4" if torch.cuda.is_available() and fa4.usable(torch.cuda.current_device()) else "cudnn"
-    choice = choose_checkpointing(shape, tokens, gpu_budget, host_budget, kernel, margin=margin)
+    if head_chunks == "auto":
+        from .head_chunks import head_chunk_options
+        head_chunks = head_chunk_options(model)
+    choice = choose_checkpointing(shape, tokens, gpu_budget, host_budget, kernel, margin=margin,
+                                  head_chunks=(head_chunks,) if isinstance(head_chunks, int) else tuple(head_chunks))
     cfg = configure_memory(model, "offload", offload_every_k=choice.offload_every_k, tiled_mlp=tiled_mlp,
                            selective=bool(choice.selective_layers), lean_norm=lean_norm,
-                           selective_layers=choice.selective_layers or None)
+                           selective_layers=choice.selective_layers or None, head_chunks=choice.head_chunks)
     return choice, cfg
 
 

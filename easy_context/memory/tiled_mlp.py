@@ -28,6 +28,19 @@ def _bounds(n: int, tiles: int):
     return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
+def _run_tiles(fn, x, bounds):
+    """``fn`` over the tiles of x without autograd, written into one output (no list of tiles + cat copy)."""
+    out = None
+    with torch.no_grad():
+        for s, e in bounds:
+            y = fn(x.narrow(-2, s, e - s))
+            if out is None:
+                out = y.new_empty((*x.shape[:-2], x.shape[-2], y.shape[-1]))
+            out.narrow(-2, s, e - s).copy_(y)
+            del y
+    return out
+
+
 class TiledMLPFunction(torch.autograd.Function):
     """apply(fn, num_tiles, zero3_params, x, *params): ``fn`` is a token-wise map over dim -2 of x.
 
@@ -38,8 +51,7 @@ class TiledMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, num_tiles, zero3_params, x, *params):
         bounds = _bounds(x.shape[-2], num_tiles)
-        with torch.no_grad():
-            out = torch.cat([fn(x.narrow(-2, s, e - s)) for s, e in bounds], dim=-2)
+        out = _run_tiles(fn, x, bounds)
         ctx.fn, ctx.bounds, ctx.zero3_params, ctx.params = fn, bounds, zero3_params, params
         ctx.save_for_backward(x)
         return out
@@ -98,8 +110,10 @@ class TiledMixin:
     def forward(self, x):
         base_forward = super().forward
         tiles = self.tiles_for(x)
-        if tiles <= 1 or not torch.is_grad_enabled():
+        if tiles <= 1:
             return base_forward(x)
+        if not torch.is_grad_enabled():  # a checkpointed layer's forward / rebuild: tiles keep its peak low too
+            return _run_tiles(base_forward, x, _bounds(x.shape[-2], tiles))
         params = tuple(p for p in self.parameters() if p.requires_grad)
         if any(hasattr(p, "ds_id") for p in params):
             # ZeRO-3: parameters are partitioned outside submodule calls, so they are not Function inputs

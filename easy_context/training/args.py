@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
       "ZeRO's CPU-offloaded optimizer state")
     a("--auto-margin", type=float, default=None,
       help="--checkpointing auto: share of the GPU budget left unplanned (default 0.06; raise it after an OOM)")
+    a("--head-chunks", type=int, default=None,
+      help="run each attention block in this many head groups, its backward one group at a time (exact; a smaller "
+      "working set: ~40 KB/token less at 7B with 4). Not under ZeRO-3. Default 1; --checkpointing auto chooses it "
+      "when not given (easy_context/memory/head_chunks.py)")
     a("--chunked-loss", action="store_true", help="LM head + loss in chunks, never materializing full logits")
     a("--tiled-mlp", action="store_true", help="run MLPs tile by tile along the sequence")
     a("--no-sliding-window", action="store_true",
@@ -241,6 +245,12 @@ def check_args(args) -> None:
     if args.eval_every and args.eval_dataset is None:
         raise UsageError("--eval-every needs --eval-dataset (the held-out rows to evaluate)")
     check_auto_checkpointing(args)
+    if args.head_chunks is not None and args.head_chunks < 1:
+        raise UsageError(f"--head-chunks must be >= 1, got {args.head_chunks}")
+    if (args.head_chunks or 1) > 1 and not mode.supports_attention_cache:
+        raise UsageError(f"--head-chunks needs a sequence-parallel mode's attention (it keeps each head group's "
+                         f"output + LSE); --parallel_mode {mode.name} runs the model's own: use --head-chunks 1 or a "
+                         "sequence-parallel mode (at --sp-size 1 too)")
     if args.resume and args.overwrite_output_dir:
         raise UsageError("--resume continues the run in --output-dir; --overwrite-output-dir deletes it: pass one")
     if args.ring_degree is not None and "ring_degree" not in mode.degree_kwargs:

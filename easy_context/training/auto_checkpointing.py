@@ -100,7 +100,7 @@ def _gather_budgets(gpu: float, host: float, device) -> list[tuple[float, float]
     return [tuple(t.tolist()) for t in every]
 
 
-def apply_auto_checkpointing(model, args, layout, accelerator):
+def apply_auto_checkpointing(model, args, layout, accelerator, head_chunks="auto"):
     """Choose (on the budgets agreed over all ranks) and apply offloaded checkpointing for this run's local tokens;
     print the choice once and record it in OUTPUT_DIR/run.json (and wandb's config). Returns the CheckpointChoice."""
     from ..memory.auto import MARGIN, auto_checkpointing
@@ -109,7 +109,8 @@ def apply_auto_checkpointing(model, args, layout, accelerator):
     gpu, host = agree_budgets(budgets)
     try:
         choice, _ = auto_checkpointing(model, tokens, gpu_budget=gpu, host_budget=host, tiled_mlp=args.tiled_mlp,
-                                       lean_norm=False, margin=MARGIN if args.auto_margin is None else args.auto_margin)
+                                       lean_norm=False, margin=MARGIN if args.auto_margin is None else args.auto_margin,
+                                       head_chunks=head_chunks)
     except ValueError as e:  # the same numbers on every rank: every rank fails alike
         why = str(e).removeprefix("auto checkpointing: ").replace("checkpointing='nested'", "--checkpointing nested")
         raise UsageError(f"--checkpointing auto: {why}") from None
@@ -121,6 +122,7 @@ def apply_auto_checkpointing(model, args, layout, accelerator):
 
 def choice_record(choice, tokens: int, gpu: float, host: float) -> dict:
     return {"offload_every_k": choice.offload_every_k, "selective_layers": list(choice.selective_layers),
+            "head_chunks": choice.head_chunks,
             "tokens_per_rank": tokens, "gpu_budget_gib": gpu / GiB, "host_budget_gib": host / GiB,
             "describe": choice.describe()}
 

@@ -42,4 +42,6 @@ def train_flags(row: dict, env: Env) -> list[str]:
         f.append("--chunked-loss")
     if row["tiled_mlp"]:
         f.append("--tiled-mlp")
+    if row.get("head_chunks", 1) > 1:
+        f.append(f"--head-chunks {row['head_chunks']}")
     return f

@@ -40,16 +40,19 @@ def host_memory(shape: Shape, opt: Option, env: Env, g: dict, T: float, reasons:
     return k, host_peak, host_node
 
 
-def attn_working_set(shape: Shape, kernel: str, checkpointing: str, T: float) -> float:
+def attn_working_set(shape: Shape, kernel: str, checkpointing: str, T: float, head_chunks: int = 1) -> float:
     """Bytes of one layer's attention backward (q, k, v, out, dout, dq, dk, dv, the layer input and its gradient,
-    kernel workspace) at T local tokens."""
-    d, da = shape.hidden, shape.d_attn
-    ws = C("attn_ws_factor") * 2 * (4 * da + 4 * shape.d_kv + 4 * d) * T
+    kernel workspace) at T local tokens. ``head_chunks`` > 1 (memory/head_chunks.py): q, k, v, dout, dq, dk, dv of
+    one head group at a time; the block's output (all groups) and one more hidden-sized gradient stay whole."""
+    d, da, dkv, n = shape.hidden, shape.d_attn, shape.d_kv, max(1, int(head_chunks))
+    per_token = 4 * da + 4 * dkv + 4 * d if n == 1 else (3 * da + 4 * dkv) / n + da + 5 * d
+    ws = C("attn_ws_factor") * 2 * per_token * T
     if checkpointing == "offload":  # the previous input comes back after the attention backward, not during it
         ws -= 2 * d * T
-    if kernel == "fa4":  # its fp32 dq accumulator, in head groups past 256 MiB (kernels/fa4.head_groups)
+    if kernel == "fa4":  # its fp32 dq accumulator (one call's heads), in head groups past 256 MiB (fa4.head_groups)
         from ...kernels.fa4 import accumulator_groups
-        ws -= 4 * da * T * (1 - 1 / accumulator_groups(4 * da * T, shape.kv_heads))
+        acc = 4 * da / n * T
+        ws -= 4 * da * T - acc / accumulator_groups(acc, max(1, shape.kv_heads // n))
     return ws
 
 
@@ -74,7 +77,7 @@ def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
     if k > 1 and mode_of(opt).supports_attention_cache:  # a nested group's rebuilt attention outputs (+ LSE), kept
         kept += (k - 1) * (2 * da + 4 * H) * T  # until their layer's backward (memory/offload + attention_cache)
     kv_eff = kv_width(shape, opt, sp)
-    ws_attn = attn_working_set(shape, opt.kernel, opt.checkpointing, T)
+    ws_attn = attn_working_set(shape, opt.kernel, opt.checkpointing, T, opt.head_chunks)
     mlp_tokens = min(T, d) if opt.tiled_mlp else T
     ws_mlp = C("mlp_ws_factor") * 2 * shape.mlp_width_active() * mlp_tokens
     ws_loss = 0.0 if opt.chunked_loss else C("loss_ws_bytes_per_vocab") * shape.vocab * T

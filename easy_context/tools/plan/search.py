@@ -3,6 +3,7 @@ x tiled MLP x ZeRO set-up, each predicted."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from ...registry import mode_names
 from .constants import CHECKPOINTING, ZERO
@@ -33,7 +34,15 @@ def candidates(shape: Shape, env: Env, kernel: str | None = None) -> list[dict]:
             layouts(shape, env.world, env.seq_len), CHECKPOINTING, (True, False), (True, False), ZERO):
         if zero == "zero3" and env.world == 1:
             continue  # ZeRO-3 without offload partitions nothing on one GPU: zero2 is the same and shipped
-        opt = Option(mode, dp, sp, ckpt, chunked, tiled, zero, ring=ring,
-                     kernel=kernel if mode_of({"mode": mode}).is_parallel else None)
+        m = mode_of({"mode": mode})
+        opt = Option(mode, dp, sp, ckpt, chunked, tiled, zero, ring=ring, kernel=kernel if m.is_parallel else None)
         rows.append(predict(shape, opt, env))
+        n = head_chunks_for(shape)
+        if n > 1 and m.supports_attention_cache and not zero.startswith("zero3") and ckpt != "none":
+            rows.append(predict(shape, replace(opt, head_chunks=n), env))  # memory/head_chunks.py (not ZeRO-3)
     return rows
+
+
+def head_chunks_for(shape: Shape) -> int:
+    """The head groups the planner offers: 4, or the largest divisor of the kv heads under it (whole GQA sets)."""
+    return max(c for c in (1, 2, 4) if shape.kv_heads % c == 0)

@@ -1,0 +1,282 @@
+"""Head-chunked attention blocks: a layer's attention backward one group of heads at a time.
+
+At the attention backward's peak a 7B layer holds q, k, v, out, dout, dq, dk, dv for all 32 heads (8 KB/token
+each, bf16) next to the block's input and gradients. Split the heads into ``n`` groups (whole GQA sets) and run
+projections -> RoPE -> attention -> the group's slice of o_proj per group: the block's output is the sum of the
+groups' partial products, so the maths is the same. With ``n`` groups only one group's q/k/v/dout/dq/dk/dv exists
+at a time (-7 x 8 KB x (1 - 1/n) per token at 7B). The idea of UPipe (head-chunked context parallelism); no code
+of it is used.
+
+How (one ``autograd.Function`` per attention block call, reentrant-style like memory/offload.py):
+
+* forward: the groups run without autograd, the attention's (out, lse) of each group are kept (the lean
+  attention cache of attention_cache.py: a mode's attention stores them) and saved for backward with the block
+  input: 8 KB/token + LSE, what the attention would keep anyway, nothing more;
+* backward: group by group, the projections (and RoPE, q/k norms) are recomputed with autograd, the attention gets
+  its kept (out, lse) back without running again, and ``torch.autograd.backward`` takes the group's slice of the
+  output gradient through it; parameter gradients accumulate as they do under reentrant checkpointing.
+
+So attention runs as often as without chunking (forward, plus one recompute under layer checkpointing). Needs a
+mode's lean attention (any mode, sp = 1 included; ``apply_seq_parallel_monkey_patch`` first) and separate
+q/k/v/o ``nn.Linear`` projections whose heads are contiguous rows (Llama, Mistral, Qwen2/3, Mixtral, Qwen MoE,
+Gemma 3). Not under ZeRO-3 (its parameters are gathered by hooks of the Linear modules, which the groups' sliced
+weights bypass).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
+
+from ..attention_cache import _ACTIVE
+
+ATTR = "_easy_context_head_chunks"
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# attention classes whose q/k norms (if any) act per head, so a group of heads computes exactly its share
+CHUNKABLE = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "MixtralAttention",
+             "Qwen2MoeAttention", "Qwen3MoeAttention", "Gemma3Attention")
+
+
+class _ChunkCache:
+    """The attention results of one block call, one entry per head group (attention_cache's protocol).
+
+    Recording: each attention call asks the enclosing cache (a selective / nested layer's, or none) for its result,
+    as it would without chunking, and keeps a detached copy here. Replaying group g: the call gets entry g back."""
+
+    keep_forward = False  # the generic (non-lean) path of memory/selective.py must not use this cache
+
+    def __init__(self, parent, entries=None, grad: bool = True):
+        self.parent, self.grad = parent, grad  # grad: the grad mode the block was called in (the parent decides by it)
+        self.entries = list(entries or [])
+        self.replaying, self.pos = entries is not None, 0
+
+    def action(self, grad=None) -> str:
+        return "take" if self.replaying else "chain"
+
+    def put(self, entry):
+        self.entries.append(entry)
+
+    def take(self):
+        if self.pos >= len(self.entries):
+            raise RuntimeError("head-chunked attention: a group called attention more often in its backward than in "
+                               "its forward")
+        entry = self.entries[self.pos]
+        self.pos += 1
+        return entry
+
+
+class _Rows(torch.nn.Module):
+    """Rows [lo, hi) of a Linear (a group's heads of q/k/v_proj); calls the Linear's forward hooks when asked
+    (memory/offload.py's prefetch marker watches q_proj)."""
+
+    def __init__(self, lin, lo, hi, hooks: bool):
+        super().__init__()
+        self.__dict__.update(lin_=lin, lo=lo, hi=hi, hooks=hooks)
+
+    def forward(self, x):
+        lin = self.lin_
+        out = F.linear(x, lin.weight[self.lo:self.hi], None if lin.bias is None else lin.bias[self.lo:self.hi])
+        if self.hooks:
+            for hook in list(lin._forward_hooks.values()):
+                hook(lin, (x,), out)
+        return out
+
+
+class _Cols(torch.nn.Module):
+    """Columns [lo, hi) of o_proj: the group's partial product; the bias is added by the first group only."""
+
+    def __init__(self, lin, lo, hi, bias: bool):
+        super().__init__()
+        self.__dict__.update(lin_=lin, lo=lo, hi=hi, bias=bias)
+
+    def forward(self, x):
+        lin = self.lin_
+        return F.linear(x, lin.weight[:, self.lo:self.hi], lin.bias if self.bias else None)
+
+
+@contextlib.contextmanager
+def _group_view(attn, g: int, n: int, hooks: bool):
+    """``attn`` computes only head group ``g`` of ``n`` while inside (its projections swapped for slices)."""
+    mods = attn._modules
+    saved = {p: mods[p] for p in PROJECTIONS}
+    q, kv = saved["q_proj"].out_features // n, saved["k_proj"].out_features // n
+    try:
+        mods["q_proj"] = _Rows(saved["q_proj"], g * q, (g + 1) * q, hooks)
+        mods["k_proj"] = _Rows(saved["k_proj"], g * kv, (g + 1) * kv, False)
+        mods["v_proj"] = _Rows(saved["v_proj"], g * kv, (g + 1) * kv, False)
+        mods["o_proj"] = _Cols(saved["o_proj"], g * q, (g + 1) * q, g == 0)
+        yield
+    finally:
+        mods.update(saved)
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class _HeadChunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, n, hidden, _dummy):
+        cache = _ChunkCache(_ACTIVE.get())
+        y = None
+        token = _ACTIVE.set(cache)
+        try:
+            with torch.no_grad():
+                for g in range(n):
+                    yg = _first(run(g, hidden, False))
+                    if len(cache.entries) != g + 1:
+                        raise ValueError(
+                            "head-chunked attention needs a sequence-parallel mode's attention (it keeps each "
+                            "group's output + LSE): call apply_seq_parallel_monkey_patch(mode, model) first (any "
+                            "mode, sp = 1 included), or configure_memory(..., head_chunks=1)")
+                    y = yg if y is None else y.add_(yg)
+        finally:
+            _ACTIVE.reset(token)
+        ctx.run, ctx.n, ctx.sizes = run, n, [len(e) for e in cache.entries]
+        ctx.save_for_backward(hidden, *(t for e in cache.entries for t in e))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        hidden, *flat = ctx.saved_tensors
+        entries, i = [], 0
+        for s in ctx.sizes:
+            entries.append(tuple(flat[i:i + s]))
+            i += s
+        del flat
+        h = hidden.detach().requires_grad_(ctx.needs_input_grad[2])
+        cache = _ChunkCache(None, entries)
+        token = _ACTIVE.set(cache)
+        try:
+            for g in range(ctx.n):
+                with torch.enable_grad():
+                    yg = _first(ctx.run(g, h, g == ctx.n - 1))
+                cache.entries[g] = None  # the attention's backward holds its own reference; drop ours with it
+                torch.autograd.backward(yg, dy)
+                del yg
+        finally:
+            _ACTIVE.reset(token)
+        return None, None, h.grad if ctx.needs_input_grad[2] else None, None
+
+
+def _check(attn, n: int):
+    name = type(attn).__name__
+    if name not in CHUNKABLE:
+        raise ValueError(f"head_chunks: {name} is not supported (supported: {', '.join(CHUNKABLE)}); its "
+                         f"projections or q/k norms are not per head. Use head_chunks=1")
+    for p in PROJECTIONS:
+        m = getattr(attn, p, None)
+        if type(m) is not torch.nn.Linear:
+            raise ValueError(f"head_chunks: {name}.{p} is {type(m).__name__}, not a plain torch.nn.Linear (LoRA and "
+                             f"quantised layers are not supported); use head_chunks=1")
+        if any(hasattr(t, "ds_id") for t in m.parameters()):
+            raise ValueError("head_chunks does not work under DeepSpeed ZeRO-3 (its parameters are gathered by the "
+                             "Linear modules' hooks, which the head groups bypass); use ZeRO-2 or none, or "
+                             "head_chunks=1")
+    head_dim = attn.head_dim
+    heads, kv = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
+    if kv % n or heads % n:
+        raise ValueError(f"head_chunks={n} must divide the number of key/value heads ({kv}) so every group holds "
+                         f"whole GQA sets; choose one of {[d for d in range(1, kv + 1) if kv % d == 0]}")
+
+
+def _attention_modules(model):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer):
+            attn = getattr(layer, "self_attn", None)
+            if attn is not None:
+                yield attn
+
+
+def _chunked_forward(attn, n: int, forward):
+    def chunked(hidden_states, *args, **kwargs):
+        if hasattr(attn.q_proj.weight, "ds_id"):  # partitioned after configure_memory (deepspeed.initialize)
+            _check(attn, n)
+        def run(g, h, hooks):
+            with _group_view(attn, g, n, hooks):
+                return forward(h, *args, **kwargs)
+
+        needs_grad = torch.is_grad_enabled() and (
+            hidden_states.requires_grad or any(p.requires_grad for p in attn.parameters()))
+        if not needs_grad:
+            y = None
+            for g in range(n):
+                yg = _first(run(g, hidden_states, False))
+                y = yg if y is None else y.add_(yg)
+            return y, None
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
+            raise ValueError("head-chunked attention: only the hidden states may require grad (position embeddings, "
+                             "masks and other inputs must not)")
+        dummy = torch.empty(0, requires_grad=True)  # the output needs grad even if the input does not
+        return _HeadChunked.apply(run, n, hidden_states, dummy), None
+    return chunked
+
+
+def apply_head_chunks(model, n: int) -> int:
+    """Run every decoder layer's attention block in ``n`` head groups (see the module doc). ``n = 1`` undoes it.
+    Returns the number of attention blocks chunked."""
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"head_chunks must be >= 1, got {n}")
+    attns = list(_attention_modules(model))
+    if n > 1:
+        if not attns:
+            raise ValueError(f"head_chunks: {type(model).__name__} has no decoder layer with a self_attn module")
+        for attn in attns:
+            _check(attn, n)
+    remove_head_chunks(model)
+    if n == 1:
+        return 0
+    for attn in attns:
+        attn.forward = _chunked_forward(attn, n, type(attn).forward.__get__(attn))
+        setattr(attn, ATTR, n)
+    return len(attns)
+
+
+def remove_head_chunks(model) -> None:
+    for attn in _attention_modules(model):
+        if ATTR in attn.__dict__:
+            del attn.__dict__["forward"]
+            del attn.__dict__[ATTR]
+
+
+def head_chunk_problem(model) -> str | None:
+    """Why ``model``'s attention blocks cannot run in head groups now (None: they can): an unsupported attention
+    class or projection, ZeRO-3 parameters, or an attention that is the model's own (not a mode's)."""
+    attns = list(_attention_modules(model))
+    if not attns:
+        return f"{type(model).__name__} has no decoder layer with a self_attn module"
+    try:
+        for attn in attns:
+            _check(attn, 1)
+    except ValueError as e:
+        return str(e)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from .selective import _is_lean
+    impl = getattr(model.config, "_attn_implementation", None)
+    fn = ALL_ATTENTION_FUNCTIONS.get(impl) if impl in ALL_ATTENTION_FUNCTIONS else None
+    if fn is None or not _is_lean(fn):
+        return (f"the attention ({impl}) is the model's own, not a mode's: call apply_seq_parallel_monkey_patch(mode, "
+                "model) first")
+    return None
+
+
+def head_chunk_options(model, most: int = 8) -> tuple[int, ...]:
+    """The head-group counts ``model`` can run with: the divisors of its kv heads up to ``most``; (1,) when
+    ``head_chunk_problem`` says it cannot."""
+    if head_chunk_problem(model) is not None:
+        return (1,)
+    attn = next(_attention_modules(model))
+    kv = attn.k_proj.out_features // attn.head_dim
+    return tuple(c for c in range(1, min(kv, most) + 1) if kv % c == 0)
+
+
+def head_chunks_of(model) -> int:
+    return max((getattr(a, ATTR, 1) for a in _attention_modules(model)), default=1)
+
+
+__all__ = ["apply_head_chunks", "remove_head_chunks", "head_chunks_of", "head_chunk_problem", "head_chunk_options",
+           "CHUNKABLE"]
