@@ -81,7 +81,8 @@ def configure(model, impl, L, args):
         choice, cfg = auto_checkpointing(model, L, host_budget=host * 2**30, margin=args.auto_margin,
                                          gpu_budget=None if torch.cuda.is_available() else 8 * 2**30,  # --tiny
                                          tiled_mlp="auto" if args.tiles == "auto" else int(args.tiles),
-                                         lean_norm=not args.no_lean_norm)
+                                         lean_norm=not args.no_lean_norm,
+                                         head_chunks="auto" if args.head_chunks is None else args.head_chunks)
         print("auto checkpointing:", choice.describe(), flush=True)
         if not args.no_fused_rope:
             apply_fused_ops(model, norms=False, rope=True)
@@ -96,7 +97,7 @@ def configure(model, impl, L, args):
                            selective=args.selective or some is not None, lean_norm=not args.no_lean_norm,
                            selective_layers=some,
                            keep_nested_attention=not getattr(args, "recompute_nested", False),
-                           head_chunks=getattr(args, "head_chunks", 1) if impl == "ours" else 1)
+                           head_chunks=(getattr(args, "head_chunks", None) or 1) if impl in ("ours", "probe") else 1)
     if not args.no_fused_rope:
         apply_fused_ops(model, norms=False, rope=True)
     if impl == "probe":
@@ -110,7 +111,9 @@ def _block_attention(model, block):
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+    from easy_context.attention_cache import cached_attention
+
+    def local(query, key, value, scaling):
         b, h, s, d = query.shape
         bs = min(block, s)
         assert s % bs == 0, f"probe length {s} must be a multiple of the block {bs}"
@@ -119,7 +122,29 @@ def _block_attention(model, block):
             return x.reshape(b, x.shape[1], s // bs, bs, d).transpose(1, 2).reshape(b * (s // bs), x.shape[1], bs, d)
         out = F.scaled_dot_product_attention(blocks(query), blocks(key), blocks(value), is_causal=True,
                                              scale=scaling, enable_gqa=key.shape[1] != h)
-        return out.reshape(b, s // bs, h, bs, d).permute(0, 1, 3, 2, 4).reshape(b, s, h, d), None
+        return out.reshape(b, s // bs, h, bs, d).permute(0, 1, 3, 2, 4).reshape(b, s, h, d)
+
+    class Local(torch.autograd.Function):
+        """Lean like the modes' attentions (keeps q, k, v; its output goes through the attention cache), so
+        selective / nested checkpointing and head groups (memory/head_chunks.py) treat it as they treat them."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, scaling):
+            (out,) = cached_attention(lambda: (local(q, k, v, scaling),))
+            ctx.save_for_backward(q, k, v)
+            ctx.scaling = scaling
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
+            with torch.enable_grad():
+                out = local(q, k, v, ctx.scaling)
+            return (*torch.autograd.grad(out, (q, k, v), dout), None)
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        return Local.apply(query, key, value, scaling), None
+    attention.supports_attention_cache = True
 
     AttentionInterface.register("ec_block_probe", attention)
     AttentionMaskInterface.register("ec_block_probe", lambda *a, **k: None)
@@ -369,8 +394,9 @@ def main():
                     "($OUT/offload_trace_L.json)")
     ap.add_argument("--recompute-nested", action="store_true",
                     help="inner layers of a nested group recompute attention twice (the pre-2026-12-04 behaviour)")
-    ap.add_argument("--head-chunks", type=int, default=1,
-                    help="ours: attention blocks in this many head groups, backward one at a time (memory/head_chunks)")
+    ap.add_argument("--head-chunks", type=int, default=None,
+                    help="ours/probe: attention blocks in this many head groups, backward one at a time "
+                    "(memory/head_chunks.py); default 1, with --auto chosen from the budgets")
     ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean (fused) RMSNorm")
     ap.add_argument("--no-fused-rope", action="store_true", help="ours with HF's RoPE instead of the fused one")
     ap.add_argument("--budget-s", type=float, default=510.0, help="whole-run wall-clock budget (seconds)")

@@ -67,20 +67,50 @@ class _ChunkCache:
         return entry
 
 
+class _GroupQKV:
+    """The group's q, k and v rows as ONE matmul of the block input (split after): in the backward the input's
+    gradient is one hidden-sized product per group, not three summed. Each projection's module asks for its part;
+    another input (not the one q was computed from) gets its own product."""
+
+    def __init__(self, saved, lo_q, hi_q, lo_kv, hi_kv):
+        self.lins = [saved["q_proj"], saved["k_proj"], saved["v_proj"]]
+        self.rows = [(lo_q, hi_q), (lo_kv, hi_kv), (lo_kv, hi_kv)]
+        self.x = self.parts = None
+
+    def part(self, i, x):
+        if self.x is x and self.parts[i] is None:  # asked twice for one input: its own product
+            return _linear_rows(self.lins[i], *self.rows[i], x)
+        if self.x is not x:
+            w = torch.cat([lin.weight[lo:hi] for lin, (lo, hi) in zip(self.lins, self.rows)])
+            biases = [lin.bias for lin in self.lins]
+            b = None if any(t is None for t in biases) else \
+                torch.cat([t[lo:hi] for t, (lo, hi) in zip(biases, self.rows)])
+            if b is None and any(t is not None for t in biases):  # some biased, some not: one by one
+                return _linear_rows(self.lins[i], *self.rows[i], x)
+            self.x, self.parts = x, list(F.linear(x, w, b).split([hi - lo for lo, hi in self.rows], dim=-1))
+        out, self.parts[i] = self.parts[i], None  # handed out once: the group holds no extra reference
+        if all(p is None for p in self.parts):
+            self.x = self.parts = None
+        return out
+
+
+def _linear_rows(lin, lo, hi, x):
+    return F.linear(x, lin.weight[lo:hi], None if lin.bias is None else lin.bias[lo:hi])
+
+
 class _Rows(torch.nn.Module):
-    """Rows [lo, hi) of a Linear (a group's heads of q/k/v_proj); calls the Linear's forward hooks when asked
+    """q/k/v_proj of a head group (part ``i`` of a ``_GroupQKV``); calls the Linear's forward hooks when asked
     (memory/offload.py's prefetch marker watches q_proj)."""
 
-    def __init__(self, lin, lo, hi, hooks: bool):
+    def __init__(self, lin, qkv: _GroupQKV, i: int, hooks: bool):
         super().__init__()
-        self.__dict__.update(lin_=lin, lo=lo, hi=hi, hooks=hooks)
+        self.__dict__.update(lin_=lin, qkv=qkv, i=i, hooks=hooks)
 
     def forward(self, x):
-        lin = self.lin_
-        out = F.linear(x, lin.weight[self.lo:self.hi], None if lin.bias is None else lin.bias[self.lo:self.hi])
+        out = self.qkv.part(self.i, x)
         if self.hooks:
-            for hook in list(lin._forward_hooks.values()):
-                hook(lin, (x,), out)
+            for hook in list(self.lin_._forward_hooks.values()):
+                hook(self.lin_, (x,), out)
         return out
 
 
@@ -103,9 +133,10 @@ def _group_view(attn, g: int, n: int, hooks: bool):
     saved = {p: mods[p] for p in PROJECTIONS}
     q, kv = saved["q_proj"].out_features // n, saved["k_proj"].out_features // n
     try:
-        mods["q_proj"] = _Rows(saved["q_proj"], g * q, (g + 1) * q, hooks)
-        mods["k_proj"] = _Rows(saved["k_proj"], g * kv, (g + 1) * kv, False)
-        mods["v_proj"] = _Rows(saved["v_proj"], g * kv, (g + 1) * kv, False)
+        qkv = _GroupQKV(saved, g * q, (g + 1) * q, g * kv, (g + 1) * kv)
+        mods["q_proj"] = _Rows(saved["q_proj"], qkv, 0, hooks)
+        mods["k_proj"] = _Rows(saved["k_proj"], qkv, 1, False)
+        mods["v_proj"] = _Rows(saved["v_proj"], qkv, 2, False)
         mods["o_proj"] = _Cols(saved["o_proj"], g * q, (g + 1) * q, g == 0)
         yield
     finally:
