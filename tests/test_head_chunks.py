@@ -41,9 +41,10 @@ def _setup(family, layers=4, **overrides):
 
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}),
-                                               ("llama", dict(num_key_value_heads=4))])
+                                               ("gemma3", {}), ("mixtral", {}), ("llama", dict(num_key_value_heads=4))])
 def test_head_chunks_exact_under_every_checkpointing(family, overrides):
-    """qwen2: q/k/v biases (o_proj's bias once); qwen3: per-head q/k norms; kv = q heads: one head per group."""
+    """qwen2: q/k/v biases (o_proj's bias once); qwen3 / gemma3: per-head q/k norms (gemma3: local/global layers,
+    query_pre_attn_scalar); mixtral: MoE MLP; kv = q heads: one head per group."""
     model, p, ref_loss, ref_grads = _setup(family, **overrides)
     kv = model.config.num_key_value_heads
     for cfg in MEMORY:
@@ -107,3 +108,23 @@ def test_head_chunks_errors():
     model.model.layers[0].self_attn.q_proj.weight.ds_id = 0
     with pytest.raises(ValueError, match="ZeRO-3"):
         configure_memory(model, "layer", head_chunks=2)
+
+
+def test_head_chunks_accumulate_each_parameter_once():
+    """The groups' parameter gradients are summed inside and accumulated once per backward: DDP's and ZeRO-2's
+    gradient hooks (one firing per parameter per backward) see what they see without groups."""
+    model, p, ref_loss, ref_grads = _setup("qwen3", num_key_value_heads=4)  # q/k norms: shared by the groups
+    configure_memory(model, "offload", offload_every_k=2, head_chunks=4)
+    fired = {}
+    hooks = [q.register_post_accumulate_grad_hook(lambda t, n=n: fired.__setitem__(n, fired.get(n, 0) + 1))
+             for n, q in model.named_parameters()]
+    try:
+        loss, grads = _step(model, p)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert fired and set(fired.values()) == {1}, {n: c for n, c in fired.items() if c != 1}
+    assert len(fired) == len(dict(model.named_parameters()))
+    assert_close(loss, ref_loss, REL, "loss")
+    for name, g in grads.items():
+        assert_close(g, ref_grads[name], REL, f"grad {name}")

@@ -13,8 +13,9 @@ How (one ``autograd.Function`` per attention block call, reentrant-style like me
   attention cache of attention_cache.py: a mode's attention stores them) and saved for backward with the block
   input: 8 KB/token + LSE, what the attention would keep anyway, nothing more;
 * backward: group by group, the projections (and RoPE, q/k norms) are recomputed with autograd, the attention gets
-  its kept (out, lse) back without running again, and ``torch.autograd.backward`` takes the group's slice of the
-  output gradient through it; parameter gradients accumulate as they do under reentrant checkpointing.
+  its kept (out, lse) back without running again, and ``torch.autograd.grad`` takes the group's slice of the output
+  gradient through it; the block's parameter gradients are summed over the groups and returned once (one
+  AccumulateGrad per parameter: DDP / ZeRO-2 hooks fire once, as without groups).
 
 So attention runs as often as without chunking (forward, plus one recompute under layer checkpointing). Needs a
 mode's lean attention (any mode, sp = 1 included; ``apply_seq_parallel_monkey_patch`` first) and separate
@@ -148,8 +149,12 @@ def _first(out):
 
 
 class _HeadChunked(torch.autograd.Function):
+    """apply(run, n, hidden, *params): ``run(g, h, hooks)`` is the block's forward over head group ``g``; ``params``
+    are the block's trainable parameters, whose gradients are summed over the groups (fp32) and returned once, so
+    each gets one AccumulateGrad per backward (what DDP's and ZeRO-2's gradient hooks expect)."""
+
     @staticmethod
-    def forward(ctx, run, n, hidden, _dummy):
+    def forward(ctx, run, n, hidden, *params):
         cache = _ChunkCache(_ACTIVE.get())
         y = None
         token = _ACTIVE.set(cache)
@@ -165,7 +170,7 @@ class _HeadChunked(torch.autograd.Function):
                     y = yg if y is None else y.add_(yg)
         finally:
             _ACTIVE.reset(token)
-        ctx.run, ctx.n, ctx.sizes = run, n, [len(e) for e in cache.entries]
+        ctx.run, ctx.n, ctx.sizes, ctx.params = run, n, [len(e) for e in cache.entries], params
         ctx.save_for_backward(hidden, *(t for e in cache.entries for t in e))
         return y
 
@@ -177,7 +182,11 @@ class _HeadChunked(torch.autograd.Function):
             entries.append(tuple(flat[i:i + s]))
             i += s
         del flat
-        h = hidden.detach().requires_grad_(ctx.needs_input_grad[2])
+        need_h = ctx.needs_input_grad[2]
+        h = hidden.detach().requires_grad_(need_h)
+        wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[3 + i]]
+        inputs = ([h] if need_h else []) + [ctx.params[i] for i in wanted]
+        dh, acc = None, [None] * len(wanted)
         cache = _ChunkCache(None, entries)
         token = _ACTIVE.set(cache)
         try:
@@ -185,11 +194,21 @@ class _HeadChunked(torch.autograd.Function):
                 with torch.enable_grad():
                     yg = _first(ctx.run(g, h, g == ctx.n - 1))
                 cache.entries[g] = None  # the attention's backward holds its own reference; drop ours with it
-                torch.autograd.backward(yg, dy)
+                grads = list(torch.autograd.grad(yg, inputs, dy, allow_unused=True)) if inputs else []
                 del yg
+                if need_h:
+                    gh = grads.pop(0)
+                    dh = gh if dh is None else dh.add_(gh)
+                for k, gp in enumerate(grads):
+                    if gp is not None:
+                        acc[k] = gp.float() if acc[k] is None else acc[k].add_(gp)
         finally:
             _ACTIVE.reset(token)
-        return None, None, h.grad if ctx.needs_input_grad[2] else None, None
+        pgrads = [None] * len(ctx.params)
+        for k, i in enumerate(wanted):
+            if acc[k] is not None:
+                pgrads[i] = acc[k].to(ctx.params[i].dtype)
+        return (None, None, dh, *pgrads)
 
 
 def _check(attn, n: int):
@@ -241,8 +260,8 @@ def _chunked_forward(attn, n: int, forward):
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
             raise ValueError("head-chunked attention: only the hidden states may require grad (position embeddings, "
                              "masks and other inputs must not)")
-        dummy = torch.empty(0, requires_grad=True)  # the output needs grad even if the input does not
-        return _HeadChunked.apply(run, n, hidden_states, dummy), None
+        params = tuple(p for p in attn.parameters() if p.requires_grad)
+        return _HeadChunked.apply(run, n, hidden_states, *params), None
     return chunked
 
 

@@ -33,7 +33,7 @@ def _run_tiles(fn, x, bounds):
     out = None
     with torch.no_grad():
         for s, e in bounds:
-            y = fn(x.narrow(-2, s, e - s))
+            y = fn(x.narrow(-2, s, e - s).contiguous())  # batch > 1: a tile is strided (MoE blocks .view it)
             if out is None:
                 out = y.new_empty((*x.shape[:-2], x.shape[-2], y.shape[-1]))
             out.narrow(-2, s, e - s).copy_(y)
@@ -65,7 +65,7 @@ class TiledMLPFunction(torch.autograd.Function):
         acc = [None] * len(plist)
         last = len(ctx.bounds) - 1
         for i, (s, e) in enumerate(ctx.bounds):
-            xt = x.narrow(-2, s, e - s).detach().requires_grad_(need_x)
+            xt = x.narrow(-2, s, e - s).contiguous().detach().requires_grad_(need_x)
             gt = grad_out.narrow(-2, s, e - s)
             with torch.enable_grad():
                 out = ctx.fn(xt)
