@@ -15,7 +15,8 @@
 #   bash bench/h200_fa4.sh mistral   # Mistral-7B-shape step at 128K: sliding window 4096 vs full attention
 #   bash bench/h200_fa4.sh hybrid    # carry .tf524 (transformers 5.24 wheel): bench_hybrid at 32K and 128K (one layer)
 #   bash bench/h200_fa4.sh timeline  # bench_memory --auto --timeline at 128K: offload copies vs compute, stalls
-#   bash bench/h200_fa4.sh heads     # head-chunked attention (4 groups): KB/token at 64K/128K, 1M memory probe
+#   bash bench/h200_fa4.sh heads [N] # head-chunked attention (N=4 groups): KB/token at 64K/128K
+#   bash bench/h200_fa4.sh heads-1m [N]  # the 1M memory probe (k=3, ~88 GiB host) with N head groups
 #   bash bench/h200_fa4.sh m512-start [N]  # N (default 1) real 7B fwd+bwd at 512K in one process (--auto: k and
 #                                    # selective layers from the budgets), detached (setsid: it outlives the call,
 #   bash bench/h200_fa4.sh m512-wait N   #   ~10 min, over one call's limit); wait up to N s, copy its log to $OUT
@@ -77,12 +78,14 @@ case "${1:-}" in
   lora)
     python3 bench/bench_lora.py 2>&1 | grep -v Warn | tee "$OUT/lora.log" | tail -10 ;;
   heads)
-    # attention blocks in 4 head groups (memory/head_chunks.py): KB/token at 64K/128K beside the same run without,
-    # then the 1M memory probe (block-local attention stand-in: a real 1M step takes ~35 min) at k=3 (~96 GiB host)
+    # attention blocks in 4 head groups (memory/head_chunks.py): KB/token at 64K/128K (the 96.6 KB/token run's
+    # options plus --head-chunks 4)
     python3 bench/bench_memory.py --hf-lengths --ours-lengths 65536 131072 --off-lengths --opt-length 0 \
-      --probe-lengths --head-chunks 4 | grep -v Warn
+      --probe-lengths --head-chunks "${2:-4}" | grep -v Warn ;;
+  heads-1m)
+    # the 1M memory probe with 4 head groups (block-local attention stand-in: a real 1M step takes ~35 min), k=3
     python3 bench/bench_memory.py --hf-lengths --ours-lengths --off-lengths --opt-length 0 \
-      --probe-lengths 1048576 --probe-host-gib 100 --head-chunks 4 | grep -v Warn ;;
+      --probe-lengths 1048576 --probe-host-gib 100 --head-chunks "${2:-4}" | grep -v Warn ;;
   m512-start)
     # 512K: layer inputs offloaded one per 2 layers (64 GiB pinned host memory: 128 GiB would not fit the host);
     # as many layers as the GPU memory left over holds keep their attention output (~4 GiB each): memory/auto.py.
@@ -96,5 +99,5 @@ case "${1:-}" in
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
     cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; cp /tmp/keep/bench_memory.json "$OUT/m512.json" 2>/dev/null || true
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
-  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|m512-start|m512-wait N" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m512-start|m512-wait N" >&2; exit 2 ;;
 esac

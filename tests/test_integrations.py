@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from easy_context.registry import SEQ_ALGOS, get_mode
 from tests.harness import run_ranks
 
 TOL = 1e-4
@@ -61,6 +62,11 @@ def test_options_errors():
         enable_sequence_parallel(object(), chunked_los=True)
     with pytest.raises(ValueError, match="checkpointing='everything'"):
         SeqParallelOptions(checkpointing="everything").validate()
+    with pytest.raises(ValueError, match="head_chunks=0"):
+        SeqParallelOptions(head_chunks=0).validate()
+    plain = next(m for m in SEQ_ALGOS if not get_mode(m).is_parallel)
+    with pytest.raises(ValueError, match="needs a sequence-parallel mode's attention"):
+        SeqParallelOptions(mode=plain, head_chunks=2).validate()
 
 
 # ---------------------------------------------------------------------------------------------- spawned ranks
@@ -119,8 +125,9 @@ def _close(got: dict, ref: dict, what: str) -> None:
 
 # case -> (reference, kind, sp options, lora, gradient accumulation, eval rows[, more TrainingArguments])
 CASES = {
-    2: {"trainer_zigzag_offload_tiled": ("trainer", "trainer", {"mode": "zigzag_ring_attn", "checkpointing": "offload",
-                                                               "tiled_mlp": True}, False, 2, 4),
+    2: {"trainer_zigzag_offload_tiled_heads": ("trainer", "trainer", {"mode": "zigzag_ring_attn",
+                                                                     "checkpointing": "offload", "tiled_mlp": True,
+                                                                     "head_chunks": 2}, False, 2, 4),
         "sft_zigzag_chunked": ("sft", "sft", {"mode": "zigzag_ring_attn", "chunked_loss": True}, False, 2, 4),
         "trainer_ulysses_ckpt": ("trainer", "trainer", {"mode": "ulysses_attn"}, False, 2, 0,
                                  {"gradient_checkpointing": True}),
@@ -135,7 +142,9 @@ SLOW_CASES = {
         "sft_dist_flash": ("sft", "sft", {"mode": "dist_flash_attn"}, False, 2, 0)},
     4: {"sft_zigzag4": ("sft", "sft", {"mode": "zigzag_ring_attn"}, False, 2, 0),
         "sft_ulysses4": ("sft", "sft", {"mode": "ulysses_attn"}, False, 2, 0),
-        "trainer_zigzag_sp2_dp2": ("trainer_ga4", "trainer", {"mode": "zigzag_ring_attn", "sp_size": 2}, False, 2, 0),
+        "trainer_zigzag_sp2_dp2": ("trainer_ga4", "trainer", {"mode": "zigzag_ring_attn", "sp_size": 2,
+                                                              "checkpointing": "offload", "head_chunks": 2},
+                                   False, 2, 0),  # DDP over dp = 2: head groups' gradients reach its hooks once
         "sft_usp_chunked": ("sft", "sft", {"mode": "usp_attn", "ring_degree": 2, "chunked_loss": True}, False, 2, 4)},
 }
 

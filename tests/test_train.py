@@ -206,12 +206,13 @@ def test_other_sp_modes_equal_single_process(toy, reference, tmp_path, mode):
 
 @pytest.mark.slow
 def test_plain_python_single_process_with_wandb_offline(toy, tmp_path):
-    """Without a launcher: one process, torch AdamW (no DeepSpeed), wandb offline run in the output dir."""
+    """Without a launcher: one process, torch AdamW (no DeepSpeed), wandb offline run in the output dir; with the
+    attention blocks in head groups (--head-chunks: not under ZeRO-3, so here) over offloaded checkpoints."""
     out = tmp_path / "plain"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", toy["model"], "--dataset",
                         toy["data"], "--output-dir", str(out), "--parallel_mode", "zigzag_ring_attn", *COMMON,
-                        "--wandb", "easy-context-test"], cwd=ROOT, env=_env(WANDB_MODE="offline"),
-                       capture_output=True, text=True, timeout=300)
+                        "--wandb", "easy-context-test", "--checkpointing", "offload", "--head-chunks", "2"],
+                       cwd=ROOT, env=_env(WANDB_MODE="offline"), capture_output=True, text=True, timeout=300)
     _ok(p)
     got = losses(out)
     assert len(got) == STEPS and got[-1] < got[0] - 0.3, got

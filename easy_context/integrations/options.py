@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..memory import CHECKPOINTING
-from ..registry import DEFAULT_MODE, mode_names
+from ..registry import DEFAULT_MODE, get_mode, mode_names
 
 
 @dataclass
@@ -15,7 +15,8 @@ class SeqParallelOptions:
     Memory (the same switches as train.py's flags): chunked_loss (LM head + loss in token chunks, no full logits),
     checkpointing (None: leave it to ``TrainingArguments.gradient_checkpointing``; else one of
     ``easy_context.memory.CHECKPOINTING``, e.g. "offload"), offload_every_k, tiled_mlp, fused_ops (lean RMSNorm +
-    fused RoPE), attn_backend (e.g. "fa4", "cudnn"; sets ``EASY_CONTEXT_ATTN_BACKEND`` for this process).
+    fused RoPE), head_chunks (attention blocks in head groups, backward one group at a time: memory/head_chunks.py;
+    not under ZeRO-3), attn_backend (e.g. "fa4", "cudnn"; sets ``EASY_CONTEXT_ATTN_BACKEND`` for this process).
     pad_to_multiple: append a filler document to rows the layout cannot cut (else such a batch is an error)."""
     mode: str = DEFAULT_MODE
     sp_size: int | None = None
@@ -25,6 +26,7 @@ class SeqParallelOptions:
     offload_every_k: int = 1
     tiled_mlp: bool | int | str = False
     fused_ops: bool = False
+    head_chunks: int = 1
     attn_backend: str | None = None
     pad_to_multiple: bool = True
 
@@ -43,6 +45,11 @@ class SeqParallelOptions:
         if self.checkpointing is not None and self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"checkpointing={self.checkpointing!r}: choose one of {CHECKPOINTING} (or None to leave "
                              "it to TrainingArguments.gradient_checkpointing)")
+        if not isinstance(self.head_chunks, int) or self.head_chunks < 1:
+            raise ValueError(f"head_chunks={self.head_chunks!r}: must be an int >= 1")
+        if self.head_chunks > 1 and not get_mode(self.mode).supports_attention_cache:
+            raise ValueError(f"head_chunks={self.head_chunks} needs a sequence-parallel mode's attention (mode="
+                             f"{self.mode!r} runs the model's own): use head_chunks=1 or another mode")
         if self.attn_backend not in (None, "auto") + tuple(BACKENDS):
             raise ValueError(f"attn_backend={self.attn_backend!r}: choose one of {BACKENDS} or None")
 

@@ -196,9 +196,9 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     layout = ParallelLayout.build(opts.mode, sp_size=opts.sp_size, ring_degree=opts.ring_degree)  # collective
     if layout.mode.is_parallel:
         apply_seq_parallel_monkey_patch(base, layout)
-    if opts.checkpointing is not None or opts.tiled_mlp:
+    if opts.checkpointing is not None or opts.tiled_mlp or opts.head_chunks > 1:
         configure_memory(base, checkpointing=opts.checkpointing or "none", offload_every_k=opts.offload_every_k,
-                         tiled_mlp=opts.tiled_mlp)
+                         tiled_mlp=opts.tiled_mlp, head_chunks=opts.head_chunks)
     if opts.fused_ops:
         from ..ops import apply_fused_ops
         apply_fused_ops(base)

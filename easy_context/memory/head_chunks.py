@@ -281,7 +281,8 @@ def apply_head_chunks(model, n: int) -> int:
     if n == 1:
         return 0
     for attn in attns:
-        attn.forward = _chunked_forward(attn, n, type(attn).forward.__get__(attn))
+        # the class's forward looked up per call: a class swapped later (fused RoPE, ops/rope.py) is honoured
+        attn.forward = _chunked_forward(attn, n, lambda *a, _m=attn, **k: type(_m).forward(_m, *a, **k))
         setattr(attn, ATTR, n)
     return len(attns)
 
