@@ -73,10 +73,11 @@ class _GroupQKV:
     gradient is one hidden-sized product per group, not three summed. Each projection's module asks for its part;
     another input (not the one q was computed from) gets its own product."""
 
-    def __init__(self, saved, lo_q, hi_q, lo_kv, hi_kv):
+    def __init__(self, saved, lo_q, hi_q, lo_kv, hi_kv, record=None):
         self.lins = [saved["q_proj"], saved["k_proj"], saved["v_proj"]]
         self.rows = [(lo_q, hi_q), (lo_kv, hi_kv), (lo_kv, hi_kv)]
         self.x = self.parts = None
+        self.record = record  # backward rebuild: the product is a leaf; its gradient is taken, not pushed further
 
     def part(self, i, x):
         if self.x is x and self.parts[i] is None:  # asked twice for one input: its own product
@@ -88,7 +89,13 @@ class _GroupQKV:
                 torch.cat([t[lo:hi] for t, (lo, hi) in zip(biases, self.rows)])
             if b is None and any(t is not None for t in biases):  # some biased, some not: one by one
                 return _linear_rows(self.lins[i], *self.rows[i], x)
-            self.x, self.parts = x, list(F.linear(x, w, b).split([hi - lo for lo, hi in self.rows], dim=-1))
+            if self.record is None:
+                qkv = F.linear(x, w, b)
+            else:  # the block's backward does the projections' own backward by hand (module doc)
+                with torch.no_grad():
+                    qkv = F.linear(x, w, b).requires_grad_(True)
+                self.record.update(qkv=qkv, w=w)
+            self.x, self.parts = x, list(qkv.split([hi - lo for lo, hi in self.rows], dim=-1))
         out, self.parts[i] = self.parts[i], None  # handed out once: the group holds no extra reference
         if all(p is None for p in self.parts):
             self.x = self.parts = None
@@ -118,27 +125,32 @@ class _Rows(torch.nn.Module):
 class _Cols(torch.nn.Module):
     """Columns [lo, hi) of o_proj: the group's partial product; the bias is added by the first group only."""
 
-    def __init__(self, lin, lo, hi, bias: bool):
+    def __init__(self, lin, lo, hi, bias: bool, record=None):
         super().__init__()
-        self.__dict__.update(lin_=lin, lo=lo, hi=hi, bias=bias)
+        self.__dict__.update(lin_=lin, lo=lo, hi=hi, bias=bias, record=record)
 
     def forward(self, x):
+        if self.record is not None:  # backward rebuild: the attention output is where the gradient goes in
+            self.record["a"] = x
+            return x
         lin = self.lin_
         return F.linear(x, lin.weight[:, self.lo:self.hi], lin.bias if self.bias else None)
 
 
 @contextlib.contextmanager
-def _group_view(attn, g: int, n: int, hooks: bool):
-    """``attn`` computes only head group ``g`` of ``n`` while inside (its projections swapped for slices)."""
+def _group_view(attn, g: int, n: int, hooks: bool, record=None):
+    """``attn`` computes only head group ``g`` of ``n`` while inside (its projections swapped for slices).
+    ``record`` (a dict; backward rebuild): the q/k/v product is a leaf (``qkv``, with the weight rows ``w``) and
+    o_proj returns its input (``a``, the attention output) instead of projecting it."""
     mods = attn._modules
     saved = {p: mods[p] for p in PROJECTIONS}
     q, kv = saved["q_proj"].out_features // n, saved["k_proj"].out_features // n
     try:
-        qkv = _GroupQKV(saved, g * q, (g + 1) * q, g * kv, (g + 1) * kv)
+        qkv = _GroupQKV(saved, g * q, (g + 1) * q, g * kv, (g + 1) * kv, record)
         mods["q_proj"] = _Rows(saved["q_proj"], qkv, 0, hooks)
         mods["k_proj"] = _Rows(saved["k_proj"], qkv, 1, False)
         mods["v_proj"] = _Rows(saved["v_proj"], qkv, 2, False)
-        mods["o_proj"] = _Cols(saved["o_proj"], g * q, (g + 1) * q, g == 0)
+        mods["o_proj"] = _Cols(saved["o_proj"], g * q, (g + 1) * q, g == 0, record)
         yield
     finally:
         mods.update(saved)
@@ -149,12 +161,20 @@ def _first(out):
 
 
 class _HeadChunked(torch.autograd.Function):
-    """apply(run, n, hidden, *params): ``run(g, h, hooks)`` is the block's forward over head group ``g``; ``params``
-    are the block's trainable parameters, whose gradients are summed over the groups (fp32) and returned once, so
-    each gets one AccumulateGrad per backward (what DDP's and ZeRO-2's gradient hooks expect)."""
+    """apply((run, attn, names), n, hidden, *params): ``run(g, h, hooks, record)`` is the block's forward over head
+    group ``g``; ``params`` (named ``names`` in ``attn``) its trainable parameters. Their gradients are summed over
+    the groups (fp32) and returned once, so each gets one AccumulateGrad per backward (what DDP's and ZeRO-2's
+    gradient hooks expect).
+
+    Backward per group: the rebuild stops at the q/k/v product (a leaf) and at o_proj's input ``a``; autograd runs
+    only between them (RoPE, q/k norms, the attention's backward). The projections' own backward is done here: the
+    output gradient enters as ``dy @ W_o[:, group]`` (no hidden-sized partial output is built) and the input
+    gradient of all groups is summed in place (``addmm_``), so the peak holds one hidden-sized gradient, not one
+    per group plus their sum."""
 
     @staticmethod
-    def forward(ctx, run, n, hidden, *params):
+    def forward(ctx, block, n, hidden, *params):
+        run = block[0]
         cache = _ChunkCache(_ACTIVE.get())
         y = None
         token = _ACTIVE.set(cache)
@@ -170,44 +190,69 @@ class _HeadChunked(torch.autograd.Function):
                     y = yg if y is None else y.add_(yg)
         finally:
             _ACTIVE.reset(token)
-        ctx.run, ctx.n, ctx.sizes, ctx.params = run, n, [len(e) for e in cache.entries], params
+        ctx.block, ctx.n, ctx.sizes, ctx.params = block, n, [len(e) for e in cache.entries], params
         ctx.save_for_backward(hidden, *(t for e in cache.entries for t in e))
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        run, attn, names = ctx.block
         hidden, *flat = ctx.saved_tensors
         entries, i = [], 0
         for s in ctx.sizes:
             entries.append(tuple(flat[i:i + s]))
             i += s
         del flat
+        n, d = ctx.n, hidden.shape[-1]
         need_h = ctx.needs_input_grad[2]
-        h = hidden.detach().requires_grad_(need_h)
-        wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[3 + i]]
-        inputs = ([h] if need_h else []) + [ctx.params[i] for i in wanted]
-        dh, acc = None, [None] * len(wanted)
+        want = {nm: p for k, (nm, p) in enumerate(zip(names, ctx.params)) if ctx.needs_input_grad[3 + k]}
+        others = [nm for nm in want if nm.split(".")[0] not in PROJECTIONS]  # q/k norms: through autograd
+        acc: dict = {}
+
+        def add(name, rows, cols, g):  # fp32 sum of one parameter's gradient (a slice of it per group)
+            if name in want:
+                if name not in acc:
+                    acc[name] = torch.zeros(want[name].shape, dtype=torch.float32, device=g.device)
+                acc[name][(rows, cols)[:acc[name].dim()]] += g
+
+        x2, dy2 = hidden.detach().reshape(-1, d), dy.reshape(-1, d)
+        dh = torch.zeros_like(hidden) if need_h else None
+        q_rows, kv_rows = attn.q_proj.out_features // n, attn.k_proj.out_features // n
+        full = slice(None)
         cache = _ChunkCache(None, entries)
         token = _ACTIVE.set(cache)
         try:
-            for g in range(ctx.n):
+            for g in range(n):
+                rec: dict = {}
                 with torch.enable_grad():
-                    yg = _first(ctx.run(g, h, g == ctx.n - 1))
+                    run(g, hidden.detach(), g == n - 1, rec)
                 cache.entries[g] = None  # the attention's backward holds its own reference; drop ours with it
-                grads = list(torch.autograd.grad(yg, inputs, dy, allow_unused=True)) if inputs else []
-                del yg
-                if need_h:
-                    gh = grads.pop(0)
-                    dh = gh if dh is None else dh.add_(gh)
-                for k, gp in enumerate(grads):
+                a, qkv, w = rec["a"], rec["qkv"], rec["w"]
+                cols = slice(g * q_rows, (g + 1) * q_rows)
+                a2 = a.detach().reshape(-1, a.shape[-1])
+                da = (dy2 @ attn.o_proj.weight[:, cols]).view_as(a)
+                got = torch.autograd.grad(a, [qkv] + [want[nm] for nm in others], da, allow_unused=True)
+                del a, da
+                dqkv2 = got[0].reshape(-1, qkv.shape[-1])
+                for nm, gp in zip(others, got[1:]):
                     if gp is not None:
-                        acc[k] = gp.float() if acc[k] is None else acc[k].add_(gp)
+                        add(nm, full, full, gp)
+                if need_h:
+                    dh.view(-1, d).addmm_(dqkv2, w)
+                add("o_proj.weight", full, cols, dy2.t() @ a2)
+                if g == 0:
+                    add("o_proj.bias", full, full, dy2.sum(0))
+                gw, gb = dqkv2.t() @ x2, dqkv2.sum(0)
+                lo = 0
+                for p, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+                    own = slice(g * rows, (g + 1) * rows)
+                    add(f"{p}.weight", own, full, gw[lo:lo + rows])
+                    add(f"{p}.bias", own, full, gb[lo:lo + rows])
+                    lo += rows
+                del qkv, w, dqkv2, gw, gb, got, rec
         finally:
             _ACTIVE.reset(token)
-        pgrads = [None] * len(ctx.params)
-        for k, i in enumerate(wanted):
-            if acc[k] is not None:
-                pgrads[i] = acc[k].to(ctx.params[i].dtype)
+        pgrads = [None if nm not in acc else acc[nm].to(p.dtype) for nm, p in zip(names, ctx.params)]
         return (None, None, dh, *pgrads)
 
 
@@ -245,8 +290,8 @@ def _chunked_forward(attn, n: int, forward):
     def chunked(hidden_states, *args, **kwargs):
         if hasattr(attn.q_proj.weight, "ds_id"):  # partitioned after configure_memory (deepspeed.initialize)
             _check(attn, n)
-        def run(g, h, hooks):
-            with _group_view(attn, g, n, hooks):
+        def run(g, h, hooks, record=None):
+            with _group_view(attn, g, n, hooks, record):
                 return forward(h, *args, **kwargs)
 
         needs_grad = torch.is_grad_enabled() and (
@@ -260,8 +305,9 @@ def _chunked_forward(attn, n: int, forward):
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
             raise ValueError("head-chunked attention: only the hidden states may require grad (position embeddings, "
                              "masks and other inputs must not)")
-        params = tuple(p for p in attn.parameters() if p.requires_grad)
-        return _HeadChunked.apply(run, n, hidden_states, *params), None
+        named = tuple((name, p) for name, p in attn.named_parameters() if p.requires_grad)
+        return _HeadChunked.apply((run, attn, tuple(nm for nm, _ in named)), n, hidden_states,
+                                  *(p for _, p in named)), None
     return chunked
 
 

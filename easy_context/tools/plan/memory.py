@@ -45,7 +45,7 @@ def attn_working_set(shape: Shape, kernel: str, checkpointing: str, T: float, he
     kernel workspace) at T local tokens. ``head_chunks`` > 1 (memory/head_chunks.py): q, k, v, dout, dq, dk, dv of
     one head group at a time; the block's output (all groups) stays whole, and the hidden-sized tensors around the
     block (input, its gradient and their partial sums) count 7 x hidden, as bench/trace_memory.py finds them at 4 and 8
-    groups (74.4 / 61.4 KB/token at 7B scale vs 93.3 without, CPU census)."""
+    groups (73.4 / 61.3 KB/token at 7B scale vs 93.3 without, CPU census)."""
     d, da, dkv, n = shape.hidden, shape.d_attn, shape.d_kv, max(1, int(head_chunks))
     per_token = 4 * da + 4 * dkv + 4 * d if n == 1 else (3 * da + 4 * dkv) / n + da + 7 * d
     ws = C("attn_ws_factor") * 2 * per_token * T
