@@ -5,18 +5,19 @@ each, bf16) next to the block's input and gradients. Split the heads into ``n`` 
 projections -> RoPE -> attention -> the group's slice of o_proj per group: the block's output is the sum of the
 groups' partial products, so the maths is the same. With ``n`` groups only one group's q/k/v/dout/dq/dk/dv exists
 at a time (bench/trace_memory.py, 7B scale: 93.3 -> 73.4 KB/token at the step's peak with 4 groups, 61.3
-with 8). The idea of UPipe (head-chunked context parallelism); no code
-of it is used.
+with 8). The idea of UPipe (head-chunked context parallelism); no code of it is used.
 
 How (one ``autograd.Function`` per attention block call, reentrant-style like memory/offload.py):
 
 * forward: the groups run without autograd, the attention's (out, lse) of each group are kept (the lean
   attention cache of attention_cache.py: a mode's attention stores them) and saved for backward with the block
   input: 8 KB/token + LSE, what the attention would keep anyway, nothing more;
-* backward: group by group, the projections (and RoPE, q/k norms) are recomputed with autograd, the attention gets
-  its kept (out, lse) back without running again, and ``torch.autograd.grad`` takes the group's slice of the output
-  gradient through it; the block's parameter gradients are summed over the groups and returned once (one
-  AccumulateGrad per parameter: DDP / ZeRO-2 hooks fire once, as without groups).
+* backward: group by group, the q/k/v product is recomputed (a leaf), RoPE and q/k norms with autograd, the
+  attention gets its kept (out, lse) back without running again, and ``torch.autograd.grad`` takes the group's
+  share of the output gradient (``dy @ W_o[:, group]``) back to the q/k/v product; the projections' own backward
+  is done by hand (input gradient summed over the groups in place). The block's parameter gradients are summed
+  over the groups and returned once (one AccumulateGrad per parameter: DDP / ZeRO-2 hooks fire once, as without
+  groups).
 
 So attention runs as often as without chunking (forward, plus one recompute under layer checkpointing). Needs a
 mode's lean attention (any mode, sp = 1 included; ``apply_seq_parallel_monkey_patch`` first) and separate
