@@ -73,6 +73,9 @@ def test_cases_on_four_ranks(configs):
         **{f"family_{f}": ["--model", str(configs / f), "--world", "4", *a] for f, a in FAMILY_CASES.items()},
         "windowed_zigzag_packed": ["--model", str(configs / "windowed"), "--world", "4", "--seq-len", "32",
                                    "--packed"],
+        # attention blocks in head groups over offloaded checkpoints (q/k/v biases in qwen2)
+        "heads_qwen2_zigzag_dp2_packed": qwen2 + ["--world", "4", "--sp_size", "2", "--packed", "--head-chunks", "2"],
+        "heads_usp": llama + ["--parallel_mode", "usp_attn", "--world", "4", "--ring_degree", "2", "--head-chunks", "2"],
         "theta": llama + ["--parallel_mode", "usp_attn", "--world", "4", "--ring_degree", "2",
                           "--inject", "theta_mismatch"],
         "ring": llama + ["--parallel_mode", "usp_attn", "--world", "4", "--ring_degree", "2",
@@ -84,10 +87,12 @@ def test_cases_on_four_ranks(configs):
     for (name, (case, info)), outcome in zip(planned.items(), outcomes):
         reports[name] = check.judge(case, info, outcome)
     for name in ("zigzag_sp2_dp2", "usp", "usp_packed", "qwen2_zigzag_dp2_packed", "qwen2_ulysses", "big_shrunk_dist_flash",
-                 "windowed_zigzag_packed", *(f"family_{f}" for f in FAMILY_CASES)):
+                 "windowed_zigzag_packed", "heads_qwen2_zigzag_dp2_packed", "heads_usp",
+                 *(f"family_{f}" for f in FAMILY_CASES)):
         text, code = reports[name]
         assert code == 0 and "\nPASS" in text, f"{name}:\n{text}"
     assert "R2×U2" in reports["usp"][0]
+    assert "attention blocks in 2 head groups" in reports["heads_usp"][0], reports["heads_usp"][0]
     assert "logits dp 1" in reports["qwen2_zigzag_dp2_packed"][0] and "docs" in reports["usp_packed"][0]
     assert "window     8\n" in reports["windowed_zigzag_packed"][0], reports["windowed_zigzag_packed"][0]
     big = reports["big_shrunk_dist_flash"][0]
@@ -110,6 +115,8 @@ def test_cases_on_four_ranks(configs):
     (["--inject", "ring_degree_mismatch"], "needs --parallel_mode usp_attn"),
     (["--hidden", "48"], "valid values: 32"),
     (["--layers", "0"], "--layers must be >= 1"),
+    (["--head-chunks", "3"], "--head-chunks 3 must divide the 2 kv heads"),
+    (["--parallel_mode", "data_parallel", "--head-chunks", "2"], "--head-chunks needs a sequence-parallel mode"),
 ])
 def test_usage_errors(configs, capsys, argv, message):
     assert check.main(["--model", str(configs / "llama")] + argv) == 2
@@ -125,6 +132,8 @@ def test_usage_errors_config(configs, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
     assert check.main(["--model", str(tmp_path / "config.json")]) == 2
     assert "cannot read the config" in capsys.readouterr().err
+    assert check.main(["--model", str(configs / "phi3"), "--head-chunks", "2"]) == 2  # fused qkv_proj
+    assert "Phi3Attention is not supported" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         check.main(["--model", str(configs / "llama"), "--inject", "bogus"])
     assert e.value.code == 2

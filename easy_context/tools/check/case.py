@@ -28,3 +28,4 @@ class Case:
     seed: int = 0
     lora: int = 0             # LoRA rank on every linear layer (0 = off); B initialised non-zero
     moe_aux: float = 0.0      # MoE router load-balancing loss coefficient (0 = off)
+    head_chunks: int = 1      # sp model's attention blocks in head groups, over offloaded checkpoints (1 = off)

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rtol", type=float, default=RTOL_FP32,
                    help=f"relative tolerance ||sp - ref|| / ||ref|| (default {RTOL_FP32:g}, float32)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--head-chunks", "--head_chunks", dest="head_chunks", type=int, default=1,
+                   help="the sp model's attention blocks in this many head groups over offloaded checkpoints "
+                        "(train.py --head-chunks; easy_context/memory/head_chunks.py); default 1 = off")
     d.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
     d.add_argument("-v", "--verbose", action="store_true", help="every gradient's diff, full rank tracebacks")
     p.add_argument("--inject", choices=INJECT, default=None,

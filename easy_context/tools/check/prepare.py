@@ -50,6 +50,9 @@ def plan_case(args) -> tuple[Case, dict]:
     except ValueError as e:
         raise CheckUsageError(str(e).splitlines()[0]) from None
 
+    chunks = getattr(args, "head_chunks", 1)
+    if chunks != 1:
+        _check_head_chunks(args.mode, config, chunks, kv)
     ring_run = ring
     if args.inject == "ring_degree_mismatch":
         def heads_ok(r):
@@ -77,7 +80,25 @@ def plan_case(args) -> tuple[Case, dict]:
         raise CheckUsageError(f"--seq-len: {e}") from None
     w = sliding_window(config)  # a window shorter than the length is checked too (windowed ring blocks)
     case = Case(mode=args.mode, sp=layout.sp, ring=ring, ring_run=ring_run, config=config, sp_config=sp_config,
-                seq_len=seq_len, batch=args.batch, packed=args.packed, seed=args.seed)
+                seq_len=seq_len, batch=args.batch, packed=args.packed, seed=args.seed, head_chunks=chunks)
     info = {"source": args.model, "notes": notes, "layout": layout, "seq_multiple": mult, "window": w, "seq_len": seq_len,
             "heads": (q, kv, hd), "recurrent": recurrent, "rtol": args.rtol, "inject": args.inject, "world": args.world}
     return case, info
+
+
+def _check_head_chunks(mode: str, config, n: int, kv: int) -> None:
+    """--head-chunks: what memory/head_chunks.py would refuse at the first step, refused before any rank starts."""
+    from easy_context.families import FAMILIES, family_of_model_type
+    from easy_context.memory.head_chunks import CHUNKABLE
+    from easy_context.registry import get_mode
+    if n < 1:
+        raise CheckUsageError(f"--head-chunks must be >= 1; got {n}")
+    if not get_mode(mode).supports_attention_cache:
+        raise CheckUsageError(f"--head-chunks needs a sequence-parallel mode's attention; --parallel_mode {mode} runs "
+                              "the model's own")
+    family = FAMILIES.get(family_of_model_type(getattr(config, "model_type", None)) or "")
+    if family is None or family.attention not in CHUNKABLE:
+        raise CheckUsageError(f"--head-chunks: {family.attention if family else config.model_type} is not supported "
+                              f"(supported: {', '.join(CHUNKABLE)})")
+    if kv % n:
+        raise CheckUsageError(f"--head-chunks {n} must divide the {kv} kv heads")

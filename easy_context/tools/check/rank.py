@@ -192,6 +192,9 @@ def run_case(case, send=lambda payload: None) -> dict | None:
         send({"model_class": type(base).__name__, "n_params": sum(p.numel() for p in base.parameters()),
               "rope_ref": rope_info(ref), "rope_sp": rope_info(sp_model)})
     apply_seq_parallel_monkey_patch(case.mode, sp_model, layout=run_layout)
+    if case.head_chunks > 1:  # train.py --checkpointing offload --head-chunks N
+        from easy_context.memory import configure_memory
+        configure_memory(sp_model, "offload", head_chunks=case.head_chunks)
     if case.lora:  # after the patch, as train.py does
         sp_model = add_lora(sp_model, case)
         ref = add_lora(ref, case) if root else None

@@ -62,6 +62,8 @@ def judge(case: Case, info: dict, outcome: dict, verbose: bool = False) -> tuple
     degrees = f"ring {layout.ring} x ulysses {layout.ulysses}"
     lines.append(f"  layout     {case.mode}, world {info['world']} = dp {layout.dp} x sp {layout.sp} "
                  f"({layout}; {degrees})")
+    if getattr(case, "head_chunks", 1) > 1:
+        lines.append(f"  memory     attention blocks in {case.head_chunks} head groups, offloaded checkpoints")
     if case.ring_run != case.ring:
         lines.append(f"  injected   inputs sharded for ring {case.ring}, attention run with ring {case.ring_run}")
     if case.sp_config is not None:
