@@ -439,7 +439,8 @@ def main():
     def save(**extra):  # after every point: a crash or a kill still leaves the rows so far
         if os.environ.get("OUT"):
             os.makedirs(os.environ["OUT"], exist_ok=True)
-            with open(os.path.join(os.environ["OUT"], "bench_memory.json"), "w") as fh:
+            name = "bench_memory.json" if (args.head_chunks or 1) == 1 else f"bench_memory_heads{args.head_chunks}.json"
+            with open(os.path.join(os.environ["OUT"], name), "w") as fh:
                 json.dump(dict(env=env_line(), args=vars(args), rows=rows, **extra), fh, indent=1)
 
     for impl, L in plan:
