@@ -22,6 +22,8 @@ def test_known_wrong_combinations_are_refused_at_planning():
     case = matrix.plan_cell("qwen2", "usp_attn", "window", world=4)  # the window takes effect: it is run
     assert case.ring == 2 and case.config.sliding_window == matrix.WINDOW and case.seq_len == matrix.SEQ_LEN
     assert matrix.plan_cell("mixtral", "ulysses_attn", "moe_aux", world=4).moe_aux == 1.0
+    assert "Phi3Attention" in refused("phi3", "zigzag_ring_attn", "heads")
+    assert matrix.plan_cell("qwen3", "usp_attn", "heads", world=4).head_chunks == 2
 
 
 def test_a_cell_beyond_tolerance_is_a_failure():

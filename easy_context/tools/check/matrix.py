@@ -33,6 +33,8 @@ FEATURES = {  # name -> what the row checks
                "Hugging Face's aux_loss)",
     "rope_yarn": "RoPE scaling yarn, factor 4, original length 16 (train.py --rope-scaling yarn)",
     "rope_dynamic": "RoPE scaling dynamic NTK, factor 4",
+    "heads": "attention blocks in 2 head groups over offloaded checkpoints (train.py --checkpointing offload "
+             "--head-chunks 2; memory/head_chunks.py)",
 }
 SEQ_LEN, WINDOW = 32, 8
 _COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
@@ -88,6 +90,12 @@ def plan_cell(family: str, mode: str, feature: str, world: int, seed: int = 0) -
     moe = bool(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None))
     if feature == "moe_aux" and not moe:
         raise Refused("dense model: no router, no load-balancing loss")
+    if feature == "heads":
+        from easy_context.families import FAMILIES
+        from easy_context.memory.head_chunks import CHUNKABLE
+        if FAMILIES[family].attention not in CHUNKABLE:
+            raise Refused(f"{FAMILIES[family].attention}: its projections or q/k norms are not per head "
+                          "(head_chunks refuses it)")
     try:
         if feature.startswith("rope_"):
             set_rope_scaling(config, feature[5:], 4.0, 16)
@@ -105,7 +113,7 @@ def plan_cell(family: str, mode: str, feature: str, world: int, seed: int = 0) -
     config.use_cache = False
     return Case(mode=mode, sp=world, ring=ring, ring_run=ring, config=config, seq_len=SEQ_LEN, batch=2,
                 packed=feature == "packed", seed=seed, lora=4 if feature == "lora" else 0,
-                moe_aux=1.0 if feature == "moe_aux" else 0.0)
+                moe_aux=1.0 if feature == "moe_aux" else 0.0, head_chunks=2 if feature == "heads" else 1)
 
 
 def measure(outcome: dict) -> dict:
