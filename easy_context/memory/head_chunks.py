@@ -86,11 +86,8 @@ class _GroupQKV:
             return _linear_rows(self.lins[i], *self.rows[i], x)
         if self.x is not x:
             w = torch.cat([lin.weight[lo:hi] for lin, (lo, hi) in zip(self.lins, self.rows)])
-            biases = [lin.bias for lin in self.lins]
-            b = None if any(t is None for t in biases) else \
-                torch.cat([t[lo:hi] for t, (lo, hi) in zip(biases, self.rows)])
-            if b is None and any(t is not None for t in biases):  # some biased, some not: one by one
-                return _linear_rows(self.lins[i], *self.rows[i], x)
+            b = None if self.lins[0].bias is None else \
+                torch.cat([lin.bias[lo:hi] for lin, (lo, hi) in zip(self.lins, self.rows)])  # all or none (_check)
             if self.record is None:
                 qkv = F.linear(x, w, b)
             else:  # the block's backward does the projections' own backward by hand (module doc)
@@ -272,6 +269,8 @@ def _check(attn, n: int):
             raise ValueError("head_chunks does not work under DeepSpeed ZeRO-3 (its parameters are gathered by the "
                              "Linear modules' hooks, which the head groups bypass); use ZeRO-2 or none, or "
                              "head_chunks=1")
+    if len({getattr(attn, p).bias is None for p in PROJECTIONS[:3]}) > 1:  # one q/k/v product per group needs it
+        raise ValueError(f"head_chunks: {name} has biases on some of q/k/v_proj only; use head_chunks=1")
     head_dim = attn.head_dim
     heads, kv = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
     if kv % n or heads % n:
