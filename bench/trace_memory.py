@@ -150,7 +150,9 @@ def main():
     L2, p2 = peaks[1]
     slope = (p2 - p1) / (L2 - L1) * scale / 1024
     print(f"{args.config}: live at the peak (grads, host chunks excluded) {p1 / 2**20:.1f} MiB at L={L1}, "
-          f"{p2 / 2**20:.1f} MiB at L={L2}; slope {slope:.1f} KB/token at d=4096 (x{scale:g} from d={args.hidden})")
+          f"{p2 / 2**20:.1f} MiB at L={L2}; {p2 / L2 * scale / 1024:.1f} KB/token at L={L2}, slope {slope:.1f} "
+          f"KB/token at d=4096 (x{scale:g} from d={args.hidden}; the slope only means something when both peaks "
+          "are in the same place)")
     groups = collections.Counter()
     for nbytes, origin in working:
         groups[origin] += nbytes
