@@ -53,6 +53,21 @@ class _LayerCache:
         self.entries.append(entry)
         self.pos = len(self.entries)  # a layer may call attention more than once (head groups): the next is new
 
+    def resolve(self, compute, grad: bool | None = None):
+        """The result of one attention call: computed, stored or taken back (``action``)."""
+        action = self.action(grad)
+        if action == "compute":
+            return compute()
+        if action in ("take", "take_once"):
+            i = self.pos
+            got = tuple(t.detach() for t in self.take())
+            if action == "take_once":
+                self.entries[i] = None  # the layer's last recomputation: free it with its backward's saved copy
+            return got
+        res = tuple(compute())
+        self.put(tuple(t.detach() for t in res))  # aliases: no copy, and in-place edits trip autograd
+        return res
+
     def action(self, grad: bool | None = None) -> str:
         """What an attention call does now: "compute", "store" or "take" (see the class doc). ``grad``: the grad
         mode of the call (default: the current one; a head-chunked block passes the one it was called in)."""
@@ -70,38 +85,10 @@ def cached_attention(compute):
 
     Outside selective checkpointing it just calls ``compute``. In a checkpointed layer's forward it stores
     the result; in the layer's recomputation it returns the stored tensors without calling ``compute``.
+    The active cache decides (``resolve``): a layer's (``_LayerCache``) or a head group's (memory/head_chunks.py).
     """
     cache = _ACTIVE.get()
-    action = "compute" if cache is None else cache.action()
-    if action == "compute":
-        return compute()
-    if action == "chain":  # a head group (memory/head_chunks.py): ask the enclosing cache, keep what it gives
-        parent = cache.parent
-        token = _ACTIVE.set(parent)
-        try:
-            if parent is None:
-                res = tuple(compute())
-            else:
-                res = tuple(_resolve(parent, parent.action(cache.grad), compute))
-        finally:
-            _ACTIVE.reset(token)
-        cache.put(tuple(t.detach() for t in res))
-        return res
-    return _resolve(cache, action, compute)
-
-
-def _resolve(cache, action, compute):
-    if action == "compute":
-        return compute()
-    if action in ("take", "take_once"):
-        i = cache.pos
-        got = tuple(t.detach() for t in cache.take())
-        if action == "take_once":
-            cache.entries[i] = None  # the layer's last recomputation: free it with its backward's saved copy
-        return got
-    res = tuple(compute())
-    cache.put(tuple(t.detach() for t in res))  # aliases: no copy, and in-place edits trip autograd
-    return res
+    return compute() if cache is None else cache.resolve(compute)
 
 
 __all__ = ["cached_attention", "SUPPORTS_CACHE"]

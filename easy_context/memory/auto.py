@@ -48,16 +48,17 @@ def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: flo
     allowed (memory/head_chunks.py: same FLOPs, a smaller working set): the fewest groups that keep the most
     selective layers win. Raises ValueError when even one kept input per every layer of the model does not fit the
     host, or the working set does not fit the GPU at any allowed head-group count."""
-    best = None
+    best, no_room = None, None
     for n in sorted({int(c) for c in head_chunks}):
         try:
             c = _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n)
-        except _NoRoom as e:
-            if best is None and n == max(head_chunks):
-                raise ValueError(str(e)) from None
+        except _NoRoom as e:  # more groups may fit
+            no_room = e
             continue
         if best is None or len(c.selective_layers) > len(best.selective_layers):
             best = c
+    if best is None:
+        raise ValueError(str(no_room))
     return best
 
 

@@ -43,31 +43,33 @@ CHUNKABLE = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Atten
 
 
 class _ChunkCache:
-    """The attention results of one block call, one entry per head group (attention_cache's protocol).
+    """The attention results of one block call, one entry per head group (attention_cache's ``resolve`` protocol).
 
     Recording: each attention call asks the enclosing cache (a selective / nested layer's, or none) for its result,
-    as it would without chunking, and keeps a detached copy here. Replaying group g: the call gets entry g back."""
+    as the whole block's call would (in grad mode: the block runs in a Function's forward, whose own grad mode is
+    off), and keeps a detached copy here. Replaying group g: the call gets entry g back."""
 
     keep_forward = False  # the generic (non-lean) path of memory/selective.py must not use this cache
 
-    def __init__(self, parent, entries=None, grad: bool = True):
-        self.parent, self.grad = parent, grad  # grad: the grad mode the block was called in (the parent decides by it)
+    def __init__(self, parent, entries=None):
+        self.parent = parent
         self.entries = list(entries or [])
         self.replaying, self.pos = entries is not None, 0
 
-    def action(self, grad=None) -> str:
-        return "take" if self.replaying else "chain"
-
-    def put(self, entry):
-        self.entries.append(entry)
-
-    def take(self):
-        if self.pos >= len(self.entries):
-            raise RuntimeError("head-chunked attention: a group called attention more often in its backward than in "
-                               "its forward")
-        entry = self.entries[self.pos]
-        self.pos += 1
-        return entry
+    def resolve(self, compute, grad=None):
+        if self.replaying:
+            if self.pos >= len(self.entries):
+                raise RuntimeError("head-chunked attention: a group called attention more often in its backward "
+                                   "than in its forward")
+            self.pos += 1
+            return tuple(t.detach() for t in self.entries[self.pos - 1])
+        token = _ACTIVE.set(self.parent)
+        try:
+            res = tuple(compute() if self.parent is None else self.parent.resolve(compute, grad=True))
+        finally:
+            _ACTIVE.reset(token)
+        self.entries.append(tuple(t.detach() for t in res))
+        return res
 
 
 class _GroupQKV:

@@ -38,6 +38,16 @@ def local_ranks(world: int) -> int:
         return max(1, world)
 
 
+def ds_config_of(accelerator) -> dict | None:
+    """The DeepSpeed config this run will use (None: no DeepSpeed), known before ``accelerator.prepare``."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) if accelerator else None
+    return None if plugin is None else (plugin.deepspeed_config or {})
+
+
+def zero_stage(ds_config: dict | None) -> int:
+    return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0) or 0)
+
+
 def prepare_reserve(model, ds_config: dict | None, world: int) -> tuple[float, float]:
     """(GPU, host) bytes per rank that ``accelerator.prepare`` and the optimizer will still allocate, beyond what
     ``memory.auto.measure_budgets`` counts (the gradients to come). ``ds_config``: DeepSpeed's config dict, or None
@@ -47,8 +57,7 @@ def prepare_reserve(model, ds_config: dict | None, world: int) -> tuple[float, f
     if ds_config is None:
         on_cpu = sum(p.numel() * p.element_size() for p in params if p.device.type != "cuda")
         return float(on_cpu + 2 * sum(p.numel() * p.element_size() for p in params if p.requires_grad)), 0.0
-    zero = ds_config.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0) or 0)
+    zero, stage = ds_config.get("zero_optimization") or {}, zero_stage(ds_config)
     n, elem = sum(p.numel() for p in params), max((p.element_size() for p in params), default=2)
     off_opt = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
     off_par = stage == 3 and (zero.get("offload_param") or {}).get("device") == "cpu"
@@ -77,8 +86,7 @@ def rank_budgets(model, args, accelerator) -> tuple[float, float]:
         raise UsageError("--checkpointing auto on a CPU run needs --gpu-budget-gib G (the GPU memory per rank to plan "
                          "for): there is no free GPU memory to measure")
     world = accelerator.num_processes
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    gpu_reserve, host_reserve = prepare_reserve(model, plugin.deepspeed_config if plugin else None, world)
+    gpu_reserve, host_reserve = prepare_reserve(model, ds_config_of(accelerator), world)
     gpu, host = measure_budgets(model, None if args.gpu_budget_gib is None else args.gpu_budget_gib * GiB,
                                 None if args.host_budget_gib is None else args.host_budget_gib * GiB)
     host /= local_ranks(world)

@@ -128,18 +128,18 @@ def apply_memory_options(model, args, layout=None, accelerator=None):
     from easy_context.memory import configure_memory
     from easy_context.ops import apply_fused_ops
 
+    from .auto_checkpointing import apply_auto_checkpointing, ds_config_of, zero_stage
     choice = None
     heads = getattr(args, "head_chunks", None)
-    if (heads or 1) > 1 and zero_stage(accelerator) == 3:
+    stage3 = zero_stage(ds_config_of(accelerator)) == 3
+    if (heads or 1) > 1 and stage3:
         raise UsageError(f"--head-chunks {heads} does not work under DeepSpeed ZeRO-3 (its parameters are gathered by "
                          "the projections' hooks, which head groups bypass): use --head-chunks 1 or a ZeRO-2 config "
                          "(accelerate_configs/zero2_*.json)")
     try:
         if args.checkpointing == "auto":
-            from .auto_checkpointing import apply_auto_checkpointing
             choice = apply_auto_checkpointing(model, args, layout, accelerator,
-                                              heads if heads is not None else
-                                              (1 if zero_stage(accelerator) == 3 else "auto"))
+                                              heads if heads is not None else (1 if stage3 else "auto"))
         else:
             configure_memory(model, checkpointing=args.checkpointing, tiled_mlp=args.tiled_mlp,
                              offload_every_k=1 if args.offload_every_k is None else args.offload_every_k,
@@ -149,14 +149,6 @@ def apply_memory_options(model, args, layout=None, accelerator=None):
     except ValueError as e:
         raise UsageError(str(e)) from None
     return choice
-
-
-def zero_stage(accelerator) -> int:
-    """The DeepSpeed ZeRO stage this run will use (0: no DeepSpeed), known before ``accelerator.prepare``."""
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) if accelerator else None
-    if plugin is None:
-        return 0
-    return int(((plugin.deepspeed_config or {}).get("zero_optimization") or {}).get("stage", 0) or 0)
 
 
 def final_config(config, rope_theta: float, seq_length: int):
