@@ -82,12 +82,12 @@ case "${1:-}" in
     # 64K/128K (the 96.6 KB/token run's options, then the same plus --head-chunks N)
     for n in 1 "${2:-4}"; do
       python3 bench/bench_memory.py --hf-lengths --ours-lengths 65536 131072 --off-lengths --opt-length 0 \
-        --probe-lengths --head-chunks "$n" | grep -v Warn
+        --probe-lengths --head-chunks "$n" 2>&1 | grep -v Warn | tee -a "$OUT/heads.log"
     done ;;
   heads-1m)
     # the 1M memory probe with 4 head groups (block-local attention stand-in: a real 1M step takes ~35 min), k=3
     python3 bench/bench_memory.py --hf-lengths --ours-lengths --off-lengths --opt-length 0 \
-      --probe-lengths 1048576 --probe-host-gib 100 --head-chunks "${2:-4}" | grep -v Warn ;;
+      --probe-lengths 1048576 --probe-host-gib 100 --head-chunks "${2:-4}" 2>&1 | grep -v Warn | tee "$OUT/heads_1m.log" ;;
   m512-start)
     # 512K: layer inputs offloaded one per 2 layers (64 GiB pinned host memory: 128 GiB would not fit the host);
     # as many layers as the GPU memory left over holds keep their attention output (~4 GiB each): memory/auto.py.
