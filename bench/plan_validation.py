@@ -34,6 +34,7 @@ OFF = dict(mode="zigzag_ring_attn", sp=1, checkpointing="offload", chunked_loss=
            kernel="cudnn")
 OFF4 = {**OFF, "kernel": "fa4"}
 MEM4 = "docs/memory.md Memory 2026-12-04 (bench_memory.py, fa4, head-grouped backward, late prefetch)"
+MEM5 = "docs/memory.md 2026-12-05 head-chunked attention blocks (bench_memory.py, fa4)"
 OURS_OFF = dict(mode="zigzag_ring_attn", sp=1, checkpointing="layer", chunked_loss=False, tiled_mlp=False,
                 zero="bare", kernel="cudnn", fused_ops=False)
 ALST = dict(mode="data_parallel", sp=1, checkpointing="layer", chunked_loss=True, tiled_mlp=True, zero="bare",
@@ -75,6 +76,12 @@ POINTS = [
     ("ours offload+chunked+tiled (12-02 code) +", S7, L128, OFF, 1, tok(L128, 2507), 39.55, None, MEMB, "mem"),
     ("ours offload+chunked+tiled fa4 (first point) #", S7, L64, OFF4, 1, None, 31.12, None, MEM4, ""),
     ("ours offload+chunked+tiled fa4", S7, L128, OFF4, 1, tok(L128, 2782), 37.16, None, MEM4, ""),
+    ("ours offload+chunked+tiled fa4 (first point) #", S7, L64, OFF4, 1, None, 31.12, None, MEM5, ""),
+    ("ours offload+chunked+tiled fa4", S7, L128, OFF4, 1, tok(L128, 2811), 37.16, None, MEM5, ""),
+    ("ours ... + 8 head groups (first point) #", S7, L64, {**OFF4, "head_chunks": 8}, 1, None, 29.46, None, MEM5, ""),
+    ("ours ... + 8 head groups", S7, L128, {**OFF4, "head_chunks": 8}, 1, tok(L128, 2710), 33.0, None, MEM5, ""),
+    ("ours offload k=3 + 8 head groups (probe)", S7, 1048576, {**OFF4, "k": 3, "head_chunks": 8}, 1, None, 120.32,
+     90.0, MEM5, ""),
     ("ours offload k=2 * +", S7, L256, {**OFF, "k": 2}, 1, tok(L256, 1284), 57.89, None, MEMB, ""),
     ("ours offload k=3 (probe) +", S7, 786432, {**OFF, "k": 3}, 1, None, 131.5, None, MEMB, ""),
     ("ALST layer+chunked+tiled", S7, L64, ALST, 1, None, 40.2, None, ALSTS, ""),
@@ -193,7 +200,7 @@ def main():
         fit()
         return 0
     t, misses = table()
-    print("plan model vs measured, one H200 (docs/ + DESIGN, 2026-12-02); ratio = predicted / measured; MISS = "
+    print("plan model vs measured, one H200 (docs/ + DESIGN, 2026-12-02 to 12-05); ratio = predicted / measured; MISS = "
           f"memory off by > {MEM_TOL:.0%} or time by > {TIME_TOL:.0%}\n")
     print(t)
     print()
