@@ -264,6 +264,8 @@ def measure(model, impl, L, args, device, opt=False):
     row = dict(impl=impl, L=L, k=getattr(cfg, "offload_every_k", "") if impl in ("ours", "probe") else "")
     if getattr(cfg, "selective_layers", None) is not None:
         row["sel"] = len(cfg.selective_layers)
+    if getattr(cfg, "head_chunks", 1) > 1:  # --auto may choose them: the row says what ran
+        row["heads"] = cfg.head_chunks
     mgr = getattr(cfg, "offload", None)
     if mgr is not None and device.type == "cuda" and mgr.offload:
         # pin the host chunks off the clock (pinning is slow); the pool is reused by later lengths
@@ -516,7 +518,7 @@ def main():
             if mine:
                 speed[r["L"]] = round(mine["tok_s"] / r["tok_s"], 3)
 
-    cols = ["impl", "L", "k", "sel", "status", "secs", "peak_GiB", "tok_s", "MFU", "opt_secs", "opt_peak_GiB",
+    cols = ["impl", "L", "k", "sel", "heads", "status", "secs", "peak_GiB", "tok_s", "MFU", "opt_secs", "opt_peak_GiB",
             "opt_host_GiB", "host_peak_GiB"]
     print("\n## Memory: Llama-2-7B shape, one GPU, fwd+bwd, batch 1, bf16\n")
     print(env_line())

@@ -99,7 +99,7 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-500} ))
     while kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
-    cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; cp /tmp/keep/bench_memory.json "$OUT/m512.json" 2>/dev/null || true
+    cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; for f in /tmp/keep/bench_memory*.json; do cp "$f" "$OUT/m512.json" 2>/dev/null || true; done
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
   *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m512-start|m512-wait N" >&2; exit 2 ;;
 esac
