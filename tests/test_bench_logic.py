@@ -69,3 +69,26 @@ def test_balance_study_mirrored_pairs_balance_one_stream():
         bench_packed.doc_lengths = orig
     rows = balance_study([65536], 4, 1500, 1.5, per_rank=(4,))
     assert float(rows[0]["greedy_max_over_mean"]) <= float(rows[0]["mirrored_max_over_mean"]), rows
+
+
+def test_m512_runs_groups_runs_and_takes_the_median(tmp_path, capsys):
+    """bench/m512_runs.py: --repeat rows give every run, other lengths / failed rows are ignored, runs of different
+    options are not pooled, and the verdict uses the median."""
+    import json
+    from bench.m512_runs import main
+    env = "NVIDIA H200, torch 2.11.0+cu130, transformers 5.17.0, 2026-12-0{}"
+    rows = [dict(impl="ours", L=524288, k=2, sel=15, heads=8, status="ok", secs=530.0, runs_s=[530.0, 560.0])]
+    (tmp_path / "a.json").write_text(json.dumps(dict(env=env.format(6), args={}, rows=rows)))
+    rows = [dict(impl="ours", L=524288, k=2, sel=15, heads=8, status="ok", secs=520.0),
+            dict(impl="ours", L=131072, k=1, status="ok", secs=40.0),
+            dict(impl="ours", L=524288, k=2, status="failed (OOM)")]
+    (tmp_path / "b.json").write_text(json.dumps(dict(env=env.format(7), args={}, rows=rows)))
+    rows = [dict(impl="ours", L=524288, k=2, sel=7, status="ok", secs=593.5)]
+    (tmp_path / "c.json").write_text(json.dumps(dict(env=env.format(3), args={}, rows=rows)))
+    main([str(tmp_path / n) for n in ("a.json", "b.json", "c.json")])
+    out = capsys.readouterr().out
+    assert "k=2 sel=15 heads=8 [NVIDIA H200, torch 2.11.0+cu130, transformers 5.17.0]: 3 run(s), min 520.0 s, " \
+           "median 530.0 s, max 560.0 s; target 540 s: met" in out, out
+    assert "k=2 sel=7 heads=1" in out and "1 run(s)" in out and "needs 2 more" in out, out
+    with pytest.raises(SystemExit, match="no 512K run"):
+        main([str(tmp_path / "c.json"), "--since", "2026-12-05"])
