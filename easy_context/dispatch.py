@@ -35,21 +35,23 @@ MAX_PER_RANK = 16        # chunks per rank tried by the cost model (more = bette
 PIECE_COST = 5.0e6
 TOKEN_COST = 0.0         # the linear per-token part (MLP, projections): equal on every rank, so it never moves the deal
 # The time model the default solver picks by (rank ms, fwd+bwd, 32 heads x 128, FA4 on an H200): `python
-# bench/bench_packed.py --fit bench/results/h200_packed_dispatch_2026-12-05.json` (bench/packed_fit.py: least
-# squares on relative errors of the 104 per-rank times of the 13 layouts timed at 128K and 512K, W=8, 3 rounds each:
-# zigzag, k pairs, dispatch m=2/4/8 and the picks): 0.0957 ms per million score elements (causal halved) + 0.34 ms
-# per dense FA4 launch + 0.79 ms per varlen launch (FA4 runs a rank's diagonal pieces in one varlen call,
-# kernels/documents._group) + 0.04 ms per piece (its rows' merge) + 1.09 ms per 16K local tokens per full-size ring
-# pass (the fixed ring makes one per step, the dispatch one); further dispatch steps fitted at 0. Mean |error| 1.8%,
-# max 11.8% (the 12-04 constants: 7.9%, max 35% on these points: they priced a piece 4x higher, which put too
-# little work on the many-piece ranks at 128K). The per-token work is equal on every rank (TOKEN_TIME).
-MS_PER_ELEM = 0.0957e-6
-PIECE_TIME = 0.413e6     # score elements per kernel piece (0.040 ms)
-DENSE_TIME = 3.54e6      # per dense launch (0.339 ms)
-VARLEN_TIME = 8.25e6     # per varlen launch (0.789 ms)
-STEP_TIME_PER_TOKEN = 695.0  # score elements per local token per full-size ring pass (1.09 ms per 16K)
-TOKEN_TIME = 5.6         # score elements per local token (0.009 ms per 16K): equal on every rank
-STEP_TIME = 0.0          # per dispatch step beyond the first (fitted 0)
+# bench/bench_packed.py --fit bench/results/h200_packed_dispatch_2026-12-04_run2.json` (bench/packed_fit.py: least
+# squares on relative errors of the 104 per-rank times of the 13 layouts timed at 128K and 512K, W=8: zigzag, k
+# pairs, dispatch m=2/4/8 and the picks): 0.0945 ms per million score elements (causal halved) + 0.40 ms per dense
+# FA4 launch (FA4 runs a rank's diagonal pieces in one varlen call, kernels/documents._group, fitted at ~0) + 0.17 ms
+# per piece (its rows' merge) + 0.95 ms per 16K local tokens per full-size ring pass (the fixed ring makes one per
+# step, the dispatch one) + 0.14 ms per further dispatch step. Mean |error| 4.3% (5.0% with one cost per piece and
+# no launch kinds); the per-token work, equal on every rank, fitted at 0 and kept at 0.22 ms per 16K (TOKEN_TIME).
+# Measured picks (2026-12-05, docs/packed_dispatch.md): 128K 21 chunks, slowest rank 1.73x faster than the default,
+# max/mean 1.108; 512K 25 chunks, 1.38x, 1.013. A re-fit on that run (mean |err| 1.8% in sample: 0.04 ms per piece,
+# 0.34 ms per dense launch) picked a 25-chunk 128K deal that measured worse (1.55x, 1.116), so these stay.
+MS_PER_ELEM = 0.0945e-6
+PIECE_TIME = 1.83e6      # score elements per kernel piece (0.173 ms)
+DENSE_TIME = 4.26e6      # per dense launch (0.402 ms)
+VARLEN_TIME = 0.0        # per varlen launch (fitted 0: its pieces' cost is in PIECE_TIME)
+STEP_TIME_PER_TOKEN = 615.0  # score elements per local token per full-size ring pass (0.952 ms per 16K)
+TOKEN_TIME = 140.0       # score elements per local token (0.22 ms per 16K): equal on every rank
+STEP_TIME = 1.44e6       # per dispatch step beyond the first (0.136 ms)
 
 
 def rank_ms(work, pieces, steps, tokens: int, dense, varlen, ring: bool = False) -> list[float]:
