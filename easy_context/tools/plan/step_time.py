@@ -48,6 +48,8 @@ def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: f
         # the mode's attention keeps what the rebuild computed for the layer's backward: memory/offload.py)
         kept_attn = mode_of(opt).supports_attention_cache
         per_layer += (k - 1) / k * (t_mm / 3 + (0.0 if kept_attn else t_attn_f) + rec_ew)
+    if opt.head_chunks > 1:  # each group's q/k/v product is rebuilt in the block's backward (memory/head_chunks.py)
+        per_layer += 2.0 * d * (da + 2 * shape.d_kv) * T / r_mm
     t_head = (6.0 + (2.0 if opt.chunked_loss else 0.0)) * shape.vocab * d * T / r_mm
     return C("step_time_factor") * (shape.layers * per_layer + t_head), t_attn, t_attn_f
 
