@@ -315,6 +315,20 @@ def measure(model, impl, L, args, device, opt=False):
     return row
 
 
+def measure_or_retry(model, impl, L, args, device, left, opt=False):
+    """``measure``; under --auto an OOM means the budgets' margin was too thin: choose again with a margin 0.04 wider
+    and run again (``--auto-retries`` times, while the time budget ``left()`` allows), so a 512K device session is
+    not lost to one OOM. A retried row carries the margin it ran with."""
+    row = measure(model, impl, L, args, device, opt=opt)
+    for _ in range(args.auto_retries if (args.auto and impl == "ours") else 0):
+        if row["status"] != "OOM" or (row["secs"] > left() and not args.tiny):
+            break
+        args.auto_margin = round(args.auto_margin + 0.04, 2)
+        print(f"OOM after {row['secs']} s: --auto again with margin {args.auto_margin}", flush=True)
+        row = dict(measure(model, impl, L, args, device, opt=opt), auto_margin=args.auto_margin)
+    return row
+
+
 def optimizer_step(model, device):
     optim = CPUStateAdamW(model.parameters())
     if device.type == "cuda":
@@ -388,6 +402,9 @@ def main():
                     "(memory/auto.py)")
     ap.add_argument("--auto-margin", type=float, default=0.06,
                     help="--auto: share of the free GPU memory left unplanned (raise it after an OOM)")
+    ap.add_argument("--auto-retries", type=int, default=1,
+                    help="--auto: after an OOM, choose again with a margin 0.04 wider and run again, this many times "
+                    "(if the time budget allows)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="ours: run each length's step this many times in the process (min / median / max; the "
                     "median is the row's time)")
@@ -411,6 +428,8 @@ def main():
         args.hf_lengths, args.ours_lengths, args.off_lengths = [256, 512], [256, 512, 1024], [512]
         args.opt_length, args.probe_lengths, args.probe_block = 1024, [2048, 1024], 256
         args.host_gib = args.probe_host_gib = 1e-4  # force k > 1 (nested) on the tiny model
+        if args.auto:  # auto refuses a host budget under one layer input: room for a few at 1024 tokens
+            args.host_gib = 1e-3
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench_memory.py needs a CUDA GPU (use --tiny for a CPU code-path check)")
@@ -457,7 +476,7 @@ def main():
                 rows.append(dict(impl=impl, L=L, status=f"skipped (time: ~{pred:.0f}s > {left():.0f}s left)"))
                 print(rows[-1], flush=True)
                 continue
-        row = measure(model, impl, L, args, device, opt=opt)
+        row = measure_or_retry(model, impl, L, args, device, left, opt=opt)
         if impl == "ours" and args.repeat > 1 and row["status"] == "ok":  # the same step again, same process
             runs = [row["secs"]]
             for _ in range(args.repeat - 1):

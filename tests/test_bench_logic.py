@@ -21,6 +21,21 @@ def test_train_step_bench_paths_agree_on_cpu():
     assert "cpu smoke" in r.stdout
 
 
+@pytest.mark.parametrize("flags", [["--auto"], ["--head-chunks", "2"]])
+def test_memory_bench_code_paths_run_on_cpu(flags):
+    """bench_memory.py --tiny: every implementation and length of the GPU bench runs (--auto: the budgets' choice;
+    --head-chunks: attention blocks in head groups, recorded in the rows), so a device session does not find a
+    broken path."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "bench/bench_memory.py", "--tiny", *flags], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "longest length reached: {'hf': 512, 'ours': 1024, 'probe': 2048}" in r.stdout, r.stdout[-2000:]
+    if "--head-chunks" in flags:
+        assert "| ours | 1024 | 3 |  | 2 | ok |" in r.stdout, r.stdout[-2000:]
+
+
 def test_storage_census_counts_live_bytes_at_the_peak():
     """bench/trace_memory.py's census: views are free, freed storages leave, the peak's live set is kept."""
     import torch
@@ -92,3 +107,27 @@ def test_m512_runs_groups_runs_and_takes_the_median(tmp_path, capsys):
     assert "k=2 sel=7 heads=1" in out and "1 run(s)" in out and "needs 2 more" in out, out
     with pytest.raises(SystemExit, match="no 512K run"):
         main([str(tmp_path / "c.json"), "--since", "2026-12-05"])
+
+
+def test_memory_bench_retries_an_auto_oom_with_a_wider_margin(monkeypatch):
+    """bench_memory.py --auto: a step that runs out of memory is chosen again with a wider margin and re-run (so a
+    512K device session is not lost to one OOM); without --auto, or with no time left, it is not."""
+    import argparse
+    from bench import bench_memory
+    margins = []
+
+    def measure(model, impl, L, args, device, opt=False):
+        margins.append(args.auto_margin)
+        return dict(impl=impl, L=L, status="OOM" if len(margins) < 3 else "ok", secs=5.0)
+    monkeypatch.setattr(bench_memory, "measure", measure)
+    args = argparse.Namespace(auto=True, auto_retries=3, auto_margin=0.06, tiny=False)
+    row = bench_memory.measure_or_retry(None, "ours", 524288, args, None, left=lambda: 100.0)
+    assert margins == [0.06, 0.1, 0.14] and row["status"] == "ok" and row["auto_margin"] == 0.14, (margins, row)
+    margins.clear()
+    args = argparse.Namespace(auto=True, auto_retries=3, auto_margin=0.06, tiny=False)
+    row = bench_memory.measure_or_retry(None, "ours", 524288, args, None, left=lambda: 1.0)  # no time for another
+    assert margins == [0.06] and row["status"] == "OOM"
+    margins.clear()
+    args = argparse.Namespace(auto=False, auto_retries=3, auto_margin=0.06, tiny=False)
+    assert bench_memory.measure_or_retry(None, "ours", 524288, args, None, left=lambda: 100.0)["status"] == "OOM"
+    assert margins == [0.06]
