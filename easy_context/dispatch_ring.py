@@ -85,6 +85,15 @@ class DispatchPlan:
             self._rows[key] = torch.cat([torch.arange(a, b) for a, b in spans]) if spans else None
         return self._rows[key]
 
+    def rows_on(self, dst: int, src: int, device) -> torch.Tensor | None:
+        """``local_rows`` on ``device``, copied once per plan (every layer's forward and backward index with them).
+        Non-blocking: a blocking copy from pageable host memory would synchronise the stream at every ring step."""
+        key = (dst, src, device)
+        if key not in self._rows:
+            rows = self.local_rows(dst, src)
+            self._rows[key] = None if rows is None else rows.to(device, non_blocking=True)
+        return self._rows[key]
+
     def block(self, rank: int, src: int):
         """packing.BlockDocs of rank's q rows vs what it uses of src's kv (all of it for src == rank)."""
         key = (rank, src)
@@ -116,9 +125,8 @@ def _post_kv(plan, rank, world, s, k, v, group):
     """Step s's kv exchange: mine to (rank + s) where it needs them, (rank - s)'s to me where I need them."""
     dst, src = (rank + s) % world, (rank - s) % world
     sends, recvs, bufs = [], [], None
-    rows = plan.local_rows(dst, rank)
+    rows = plan.rows_on(dst, rank, k.device)
     if rows is not None:
-        rows = rows.to(k.device)
         sends = [(k.index_select(1, rows), dst), (v.index_select(1, rows), dst)]
     rows = plan.local_rows(rank, src)
     if rows is not None:
@@ -187,10 +195,9 @@ def dispatch_backward(dout, q, k, v, out, lse, softmax_scale, group=None, backen
             kernels.attn_backward(dout, q, bufs[0], bufs[1], out, lse, True, softmax_scale, backend,
                                   docs=plan.block(rank, src), into=(dq, gk, gv))
             sends = [(gk.to(k.dtype), src), (gv.to(v.dtype), src)]
-        mine = plan.local_rows(dst, rank)  # dst computed grads of these rows of mine at this step
+        mine = plan.rows_on(dst, rank, k.device)  # dst computed grads of these rows of mine at this step
         recvs, got = [], None
         if mine is not None:
-            mine = mine.to(k.device)
             shape = (k.shape[0], len(mine)) + tuple(k.shape[2:])
             got = (mine, (torch.empty(shape, dtype=k.dtype, device=k.device),
                           torch.empty(shape, dtype=v.dtype, device=k.device)))

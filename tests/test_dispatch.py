@@ -105,6 +105,23 @@ def test_layout_env_restores_pairs_and_dense_rows_keep_zigzag(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # the point-to-point ring: exactly the document mask, and only the needed kv
 # ----------------------------------------------------------------------------------------------
+def test_ring_index_tensors_are_made_once_per_plan_not_per_call():
+    """The rows a ring step sends and the varlen cu_seqlens are the same for every layer, forward and backward:
+    they are made (and copied to the device, without a stream sync) once, then reused (one blocking copy per call
+    synchronised the GPU's stream several times a layer)."""
+    from easy_context.kernels import documents as kdocs
+    lengths = [5, 1, 11, 7, 24, 16]
+    d = plan_dispatch(_positions(lengths), 2, solver="segments")
+    plan = DispatchPlan(packing.documents(_positions(lengths)), d)
+    (dst, src), = [key for key, spans in plan.need.items() if spans][:1]
+    rows = plan.rows_on(dst, src, torch.device("cpu"))
+    assert rows is plan.rows_on(dst, src, torch.device("cpu")) and torch.equal(rows, plan.local_rows(dst, src))
+    run = [(slice(0, 5), slice(0, 5), True), (slice(5, 6), slice(5, 6), True), (slice(6, 17), slice(6, 17), True)]
+    cu, mx = kdocs._cu(run, 2, torch.device("cpu"))
+    assert cu.tolist() == [0, 5, 6, 17, 22, 23, 34] and mx == 11
+    assert kdocs._cu(list(run), 2, torch.device("cpu"))[0] is cu
+
+
 def _ring_mask(docs, d):
     plan = DispatchPlan(docs, d)
     n = d.length

@@ -9,6 +9,7 @@ window_size 64.8 ms, tiles with math band edges ~2 s.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -74,8 +75,16 @@ def _flat(x, bs, span):  # (B, L, H, D) rows of a run -> (B * n, H, D) for a var
 
 
 def _cu(run, batch, device):
-    lens = torch.tensor([p[0].stop - p[0].start for p in run] * batch, dtype=torch.int32)
-    return F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0)).to(device), int(lens.max())
+    return _cu_of(tuple(p[0].stop - p[0].start for p in run), batch, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _cu_of(lens: tuple, batch: int, device: torch.device):
+    """cu_seqlens on ``device``, made once per run of lengths: every layer, forward, recompute and backward asks for
+    the same. The copy is non-blocking: a blocking copy from pageable host memory synchronises the stream, and one
+    per varlen call drained the GPU's queue several times a layer."""
+    cu = F.pad(torch.tensor(lens * batch, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    return cu.to(device, non_blocking=True), max(lens)
 
 
 def _doc_forward(name, q, k, v, scale, docs, into=None):
