@@ -15,7 +15,7 @@
 #   bash bench/h200_fa4.sh mistral   # Mistral-7B-shape step at 128K: sliding window 4096 vs full attention
 #   bash bench/h200_fa4.sh hybrid    # carry .tf524 (transformers 5.24 wheel): bench_hybrid at 32K and 128K (one layer)
 #   bash bench/h200_fa4.sh timeline  # bench_memory --auto --timeline at 128K: offload copies vs compute, stalls
-#   bash bench/h200_fa4.sh heads [N] # head-chunked attention (N=4 groups) vs none: KB/token, tok/s at 64K/128K
+#   bash bench/h200_fa4.sh heads [N] # head-chunked attention (N=8 groups) vs none: KB/token, tok/s at 64K/128K
 #   bash bench/h200_fa4.sh heads-1m [N]  # the 1M memory probe (k=3, ~88 GiB host) with N head groups
 #   bash bench/h200_fa4.sh m512-start [N]  # N (default 1) real 7B fwd+bwd at 512K in one process (--auto: k and
 #                                    # selective layers from the budgets), detached (setsid: it outlives the call,
@@ -78,16 +78,16 @@ case "${1:-}" in
   lora)
     python3 bench/bench_lora.py 2>&1 | grep -v Warn | tee "$OUT/lora.log" | tail -10 ;;
   heads)
-    # attention blocks in N=4 head groups (memory/head_chunks.py) vs none, same call: KB/token and tok/s at
+    # attention blocks in N=8 head groups (memory/head_chunks.py) vs none, same call: KB/token and tok/s at
     # 64K/128K (the 96.6 KB/token run's options, then the same plus --head-chunks N)
-    for n in 1 "${2:-4}"; do
+    for n in 1 "${2:-8}"; do
       python3 bench/bench_memory.py --hf-lengths --ours-lengths 65536 131072 --off-lengths --opt-length 0 \
         --probe-lengths --head-chunks "$n" 2>&1 | grep -v Warn | tee -a "$OUT/heads.log"
     done ;;
   heads-1m)
-    # the 1M memory probe with 4 head groups (block-local attention stand-in: a real 1M step takes ~35 min), k=3
+    # the 1M memory probe with 8 head groups (block-local attention stand-in: a real 1M step takes ~35 min), k=3
     python3 bench/bench_memory.py --hf-lengths --ours-lengths --off-lengths --opt-length 0 \
-      --probe-lengths 1048576 --probe-host-gib 100 --head-chunks "${2:-4}" 2>&1 | grep -v Warn | tee "$OUT/heads_1m.log" ;;
+      --probe-lengths 1048576 --probe-host-gib 100 --head-chunks "${2:-8}" 2>&1 | grep -v Warn | tee "$OUT/heads_1m.log" ;;
   m512-start)
     # 512K: layer inputs offloaded one per 2 layers (64 GiB pinned host memory: 128 GiB would not fit the host);
     # as many layers as the GPU memory left over holds keep their attention output (~4 GiB each): memory/auto.py.
