@@ -75,7 +75,7 @@ class DispatchPlan:
                 a, b = dispatch.span(h)
                 need.setdefault((dst, src), []).append((local_start[h] + int(lo[h]) - a, local_start[h] + b - a))
         self.need = {(dst, src): tuple(need.get((dst, src), ())) for dst in range(w) for src in range(w) if src != dst}
-        self._blocks, self._rows = {}, {}
+        self._blocks, self._rows, self._rows_on = {}, {}, {}
 
     def local_rows(self, dst: int, src: int) -> torch.Tensor | None:
         """Rows of src's local tensors that dst needs (None: nothing; step 0 is handled by the caller)."""
@@ -89,10 +89,10 @@ class DispatchPlan:
         """``local_rows`` on ``device``, copied once per plan (every layer's forward and backward index with them).
         Non-blocking: a blocking copy from pageable host memory would synchronise the stream at every ring step."""
         key = (dst, src, device)
-        if key not in self._rows:
+        if key not in self._rows_on:
             rows = self.local_rows(dst, src)
-            self._rows[key] = None if rows is None else rows.to(device, non_blocking=True)
-        return self._rows[key]
+            self._rows_on[key] = None if rows is None else rows.to(device, non_blocking=True)
+        return self._rows_on[key]
 
     def block(self, rank: int, src: int):
         """packing.BlockDocs of rank's q rows vs what it uses of src's kv (all of it for src == rank)."""

@@ -4,8 +4,9 @@ At the attention backward's peak a 7B layer holds q, k, v, out, dout, dq, dk, dv
 each, bf16) next to the block's input and gradients. Split the heads into ``n`` groups (whole GQA sets) and run
 projections -> RoPE -> attention -> the group's slice of o_proj per group: the block's output is the sum of the
 groups' partial products, so the maths is the same. With ``n`` groups only one group's q/k/v/dout/dq/dk/dv exists
-at a time (bench/trace_memory.py, 7B scale: 93.3 -> 73.4 KB/token at the step's peak with 4 groups, 61.3
-with 8). The idea of UPipe (head-chunked context parallelism); no code of it is used.
+at a time (7B, offload, H200: 96.6 -> 56.6 KB/token with 8 groups, 0.96x the speed at 128K; CPU census,
+bench/trace_memory.py: 93.3 -> 73.4 with 4, 61.3 with 8). The idea of UPipe (head-chunked context parallelism);
+no code of it is used.
 
 How (one ``autograd.Function`` per attention block call, reentrant-style like memory/offload.py):
 
