@@ -5,6 +5,8 @@
 #   bash bench/h200_fa4.sh kernels   # GPU tests of the facade (fa4 incl. varlen), bench_kernels, JIT/cache, 512K ring sim
 #   bash bench/h200_fa4.sh step      # bench_train_step 16K..128K: ours(fa4) vs ours(cudnn) vs plain HF
 #   bash bench/h200_fa4.sh packed    # GPU tests of document masking (fa4 varlen) + bench_packed 128K/512K W=8
+#   bash bench/h200_fa4.sh dispatch-rects [L...]  # bench_packed default picks with a block's rectangles in one varlen
+#                                    # call vs one dense call each (--no-rect-varlen); default L = 131072
 #   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: dispatch (old solver pick, new default pick, old m=2,4,8) vs
 #                                    # zigzag and the k-pair default, same rows/seed; default L = 131072 524288
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
@@ -48,8 +50,17 @@ case "${1:-}" in
     python3 bench/bench_packed.py --lengths 131072 524288 --world 8 --pairs 1 8 16 2>&1 | grep -v Warn | tee "$OUT/packed.log" | tail -30 ;;
   dispatch)
     shift
+    python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_backend.py -k "varlen" 2>&1 | tail -3 || true
     python3 bench/bench_packed.py --lengths ${@:-131072 524288} --world 8 --per-rank 2 4 8 --rounds ${ROUNDS:-3} 2>&1 | grep -v Warn \
       | tee "$OUT/packed_dispatch_${1:-all}.log" | tail -40 ;;
+  dispatch-rects)
+    # the rectangles of a block in one varlen call vs one dense call each (--no-rect-varlen), same rows, same call
+    shift
+    python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_backend.py -k "varlen" 2>&1 | tail -3 || true
+    for flag in "" --no-rect-varlen; do
+      python3 bench/bench_packed.py --lengths ${@:-131072} --world 8 --rounds ${ROUNDS:-3} $flag 2>&1 | grep -v Warn \
+        | tee -a "$OUT/packed_rects.log" | grep -A12 "^## Simulated"
+    done ;;
   trainpy-a)
     python3 bench/bench_train_py.py --shape llama3.2-3b --seq-length 32768 --configs offload --ga 1 4 --steps 3 \
       --work /tmp/trainpy 2>&1 | grep -v Warn | tee "$OUT/train_py_a.log" | tail -12 ;;
@@ -101,5 +112,5 @@ case "${1:-}" in
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
     cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; for f in /tmp/keep/bench_memory*.json; do cp "$f" "$OUT/m512.json" 2>/dev/null || true; done
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
-  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m512-start|m512-wait N" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m512-start|m512-wait N" >&2; exit 2 ;;
 esac

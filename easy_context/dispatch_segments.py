@@ -177,12 +177,14 @@ class Estimate:
     more, smaller chunks it counts a few rectangles more than the kernel runs (adjacent kv rows merge there)."""
 
     def __init__(self, segs, prefix, restarts, first, world, window=None):
-        from .kernels.documents import VARLEN_MIN_DOCS
+        from .kernels.documents import VARLEN_MIN_DOCS, VARLEN_MIN_RECTS
         self.work, self.pieces, self.steps = [0.0] * world, [0] * world, [1] * world
         # launches by kind (FA4, kernels/documents._group): a rank's own step lists its diagonal pieces (one per
         # document part) first, contiguous across its segments: one varlen launch when there are >= VARLEN_MIN_DOCS,
-        # else one dense launch each; every rectangle (earlier rows of a document, own or received) is a dense launch
+        # else one dense launch each; the rectangles (earlier rows of a document) of one step (one source rank) are
+        # one varlen launch when there are >= VARLEN_MIN_RECTS, else one dense launch each
         self.dense, self.varlen = [0] * world, [0] * world
+        rects = [{} for _ in range(world)]  # rank -> {source rank: rectangles}
         diag = [0] * world
         starts = [s[0] for s in segs]
         srcs = [set() for _ in range(world)]
@@ -197,9 +199,15 @@ class Estimate:
             j = max(bisect.bisect_right(starts, lo) - 1, 0)
             held = {segs[i][2] for i in range(j, bisect.bisect_left(starts, s0, j))}
             self.pieces[r] += len(held)
-            self.dense[r] += len(held)
+            for h in held:
+                rects[r][h] = rects[r].get(h, 0) + 1
             srcs[r] |= held - {r}
         for r in range(world):
+            for c in rects[r].values():
+                if c >= VARLEN_MIN_RECTS:
+                    self.varlen[r] += 1
+                else:
+                    self.dense[r] += c
             self.pieces[r] += diag[r]
             if diag[r] >= VARLEN_MIN_DOCS:
                 self.varlen[r] += 1

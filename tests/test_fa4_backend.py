@@ -215,6 +215,34 @@ def test_fa4_varlen_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not fa4.usable(0), reason="needs flash-attn-4 (pip install -e .[fa4]) on a Hopper/Blackwell GPU")
+def test_fa4_varlen_rectangles_match_reference():
+    """Non-causal varlen with different q and kv lengths per sequence (kernels/documents' rectangles of a block)."""
+    g = torch.Generator().manual_seed(4)
+    lq, lk = [5, 300, 64, 1], [200, 17, 128, 700]
+    hq, hkv, d = 8, 2, 128
+    q, do = (torch.randn(sum(lq), hq, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(sum(lk), hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device="cuda") for x in (lq, lk))
+    qb, kb, vb, dob = (t.cuda().bfloat16() for t in (q, k, v, do))
+    scale = d ** -0.5
+    fail = lambda *a: pytest.fail("fa4 varlen fell back")  # noqa: E731
+    out, lse = fa4.varlen_forward(qb, kb, vb, cu_q, cu_k, max(lq), max(lk), False, scale, fail)
+    dq, dk, dv = fa4.varlen_backward(dob, qb, kb, vb, out, lse, cu_q, cu_k, max(lq), max(lk), False, scale, fail)
+    a = b = 0
+    for n, m in zip(lq, lk):
+        qs, ks = slice(a, a + n), slice(b, b + m)
+        qr, kr, vr = (t[s].unsqueeze(0).requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks)))
+        ro, rl = kernels.attention_reference(qr, kr, vr, False, scale)
+        ro.backward(do[qs].unsqueeze(0))
+        assert_close(out[qs].double().cpu(), ro[0], 2e-2, f"out {n}x{m}")
+        assert_close(lse[:, qs].double().cpu(), rl[0], 2e-2, f"lse {n}x{m}")
+        for got, ref, name in ((dq[qs], qr, "dq"), (dk[ks], kr, "dk"), (dv[ks], vr, "dv")):
+            assert_close(got.double().cpu(), ref.grad[0], 2e-2, f"{name} {n}x{m}")
+        a, b = a + n, b + m
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fa4.usable(0), reason="needs flash-attn-4 (pip install -e .[fa4]) on a Hopper/Blackwell GPU")
 def test_fa4_backward_in_head_groups_matches_whole(monkeypatch):
     """The real kernel writing head slices of dq/dk/dv in place (strided outputs) gives the one-call result."""
     g = torch.Generator(device="cuda").manual_seed(2)

@@ -120,22 +120,28 @@ def test_facade_document_mask_matches_per_document_attention(lengths):
 
 def _math_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fallback):
     """A reference varlen kernel ((total, H, D) + cu_seqlens -> out, lse (H, total)) to exercise the
-    facade's varlen grouping on CPU the way FA4's is used on a GPU."""
+    facade's varlen grouping on CPU the way FA4's is used on a GPU (causal diagonal runs, non-causal rectangles)."""
     outs, lses = [], []
-    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-        o, l = kernels.attn_forward(q[s:e].unsqueeze(0), k[s:e].unsqueeze(0), v[s:e].unsqueeze(0), True, scale, "math")
+    for (s, e), (a, b) in zip(_spans_of(cu_q), _spans_of(cu_k)):
+        assert e - s <= max_q and b - a <= max_k and (not causal or e - s == b - a)
+        o, l = kernels.attn_forward(q[s:e][None], k[a:b][None], v[a:b][None], causal, scale, "math")
         outs.append(o[0])
         lses.append(l[0])
     _math_varlen_forward.calls = getattr(_math_varlen_forward, "calls", 0) + 1
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
+def _spans_of(cu):
+    return list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+
+
 def _math_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, fallback):
-    gs = []
-    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-        t = [x[s:e].unsqueeze(0) for x in (dout, q, k, v, out)]
-        gs.append(kernels.attn_backward(*t, lse[:, s:e].unsqueeze(0), True, scale, "math"))
-    return tuple(torch.cat([g[i][0] for g in gs]) for i in range(3))
+    gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (s, e), (a, b) in zip(_spans_of(cu_q), _spans_of(cu_k)):
+        t = [x[s:e][None] for x in (dout, q)] + [x[a:b][None] for x in (k, v)] + [out[s:e][None]]
+        g = kernels.attn_backward(*t, lse[:, s:e][None], causal, scale, "math")
+        gq[s:e], gk[a:b], gv[a:b] = g[0][0], g[1][0], g[2][0]
+    return gq, gk, gv
 
 
 def test_varlen_grouping_matches_per_document_calls(monkeypatch):
@@ -161,6 +167,53 @@ def test_varlen_grouping_matches_per_document_calls(monkeypatch):
         for a, b, name in zip((*got, *gg), (*ref, *rg), ("out", "lse", "dq", "dk", "dv")):
             assert_close(a, b, 1e-12, f"varlen {name}")
     assert _math_varlen_forward.calls >= 2
+
+
+def test_rectangles_go_in_one_varlen_call_and_equal_the_masked_reference(monkeypatch):
+    """A block's rectangles (kv rows before q rows of the same document: all of a dispatched ring's received blocks)
+    in one non-causal varlen call, results merged by row index: equal to float64 attention with the explicit mask
+    and to one dense call per rectangle. Batch of 2 with different documents (row by row), and kv runs out of order
+    (two rectangles with the same q rows: merged in two rounds)."""
+    from easy_context.kernels import documents as kd
+    monkeypatch.setitem(kernels.VARLEN, "math", (_math_varlen_forward, _math_varlen_backward))
+    g = torch.Generator().manual_seed(11)
+    n = 48
+    rows = [[7, 12, 3, 9, 9, 8], [30, 2, 16]]
+    q, do = (torch.randn(2, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    docs = packing.documents(torch.cat([_positions(r) for r in rows]))
+    ch = [torch.arange(6 * c, 6 * c + 6) for c in range(8)]
+    blocks = [(torch.cat([ch[2], ch[5], ch[7]]), torch.cat([ch[0], ch[1], ch[3], ch[4]])),   # a dispatched step
+              (torch.cat([ch[4], ch[6]]), torch.cat([ch[3], ch[7], ch[0]])),                # kv runs out of order
+              (torch.cat([ch[1], ch[4]]), torch.cat([ch[1], ch[4]]))]                       # diagonal + rectangle
+    seen = {"rects": 0, "rounds": 0}
+    real = kd._rects_forward
+
+    def counted(*a):
+        seen["rects"] += 1
+        seen["rounds"] = max(seen["rounds"], len(kd._disjoint_rounds(kd._spans(p[0] for p in a[5]))))
+        return real(*a)
+    monkeypatch.setattr(kd, "_rects_forward", counted)
+    for q_idx, k_idx in blocks:
+        blk = docs.block(q_idx, k_idx)
+        qi, ki, vi, di = q[:, q_idx], k[:, k_idx], v[:, k_idx], do[:, q_idx]
+        got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
+        gg = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk)
+        with monkeypatch.context() as m:
+            m.setattr(kd, "VARLEN_MIN_RECTS", 10 ** 9)  # one dense call per rectangle
+            dense = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
+            dense = (*dense, *kernels.attn_backward(di, qi, ki, vi, *dense, True, 0.3, "math", docs=blk))
+        for b in range(2):
+            d = docs.doc_ids[b]
+            keep = (d[q_idx][:, None] == d[k_idx][None, :]) & (k_idx[None, :] <= q_idx[:, None])
+            ref = _masked_reference(qi[b:b + 1], ki[b:b + 1], vi[b:b + 1], di[b:b + 1], keep, 0.3)
+            for a, c, r, name in zip((*got, *gg), dense, ref, ("out", "lse", "dq", "dk", "dv")):
+                a, c = a[b:b + 1], c[b:b + 1]
+                fin = torch.isfinite(r)
+                assert torch.equal(fin, torch.isfinite(a)), name
+                assert_close(a[fin], r[fin], 1e-10, f"rects {name} row {b}")
+                assert_close(a[fin], c[fin], 1e-10, f"rects vs dense {name} row {b}")
+    assert seen["rects"] >= 2 and seen["rounds"] == 2, seen
 
 
 def _fa_window_math(q, k, v, left, right, scale, fallback):
