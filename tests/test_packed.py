@@ -7,6 +7,8 @@ single-process reference that runs each document separately — one document, ma
 block skip counted for a row of many short documents. The same spawns also run tests/test_packed_balance.py's
 ``balanced_body``: rows long enough for the balanced k-pair layout (4096 tokens, k > 1).
 """
+import math
+
 import pytest
 import torch
 
@@ -199,6 +201,12 @@ def test_rectangles_go_in_one_varlen_call_and_equal_the_masked_reference(monkeyp
         qi, ki, vi, di = q[:, q_idx], k[:, k_idx], v[:, k_idx], do[:, q_idx]
         got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
         gg = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk)
+        acc = (torch.zeros_like(qi), torch.full_like(got[1], -math.inf))  # into=: what a dispatched ring step passes
+        kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk, into=acc)
+        grads = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk,
+                                      into=tuple(torch.zeros_like(t) for t in (qi, ki, vi)))
+        for a, b in zip((*acc, *grads), (*got, *gg)):
+            assert torch.equal(a, b)
         with monkeypatch.context() as m:
             m.setattr(kd, "VARLEN_MIN_RECTS", 10 ** 9)  # one dense call per rectangle
             dense = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
