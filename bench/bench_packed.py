@@ -399,13 +399,13 @@ def main():
     ap.add_argument("--check", action="store_true", help="CPU float32 run of the simulation's code path (errors only)")
     ap.add_argument("--fit", metavar="FILE", help="CPU: re-fit dispatch.py's time model (least squares) on the "
                     "per-rank counts and times of a bench_packed JSON ($OUT/bench_packed.json of a GPU run)")
-    ap.add_argument("--no-rect-varlen", action="store_true",
-                    help="one dense FA4 call per rectangle, as before the rectangles of a block went in one varlen "
-                         "call (kernels/documents.VARLEN_MIN_RECTS); the solver then counts them as dense launches")
+    ap.add_argument("--rect-varlen", type=int, default=0, metavar="N",
+                    help="a block's rectangles of <= N score elements in one varlen FA4 call "
+                         "(kernels/documents.RECT_VARLEN_MAX; default 0: one dense call each, the library default)")
     args = ap.parse_args()
-    if args.no_rect_varlen:
+    if args.rect_varlen:
         from easy_context.kernels import documents
-        documents.VARLEN_MIN_RECTS = 10 ** 9
+        documents.RECT_VARLEN_MAX = args.rect_varlen
     if args.fit:
         from bench import packed_fit
         packed_fit.main(args.fit)
@@ -450,9 +450,9 @@ def main():
     print("\n## Measured ms per rank (fwd+bwd; the points `--fit` re-fits the time model on)\n")
     print(table(rows, ["L", "layout", "rank_ms", "rounds_max_over_mean"]))
     if os.environ.get("OUT"):
-        name = "bench_packed_norects.json" if args.no_rect_varlen else "bench_packed.json"
+        name = f"bench_packed_rects{args.rect_varlen}.json" if args.rect_varlen else "bench_packed.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
-            json.dump(dict(env=env_line(), counts=counts, rows=rows, rect_varlen=not args.no_rect_varlen), f, indent=1)
+            json.dump(dict(env=env_line(), counts=counts, rows=rows, rect_varlen=args.rect_varlen), f, indent=1)
 
 
 if __name__ == "__main__":

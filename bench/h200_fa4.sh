@@ -5,8 +5,8 @@
 #   bash bench/h200_fa4.sh kernels   # GPU tests of the facade (fa4 incl. varlen), bench_kernels, JIT/cache, 512K ring sim
 #   bash bench/h200_fa4.sh step      # bench_train_step 16K..128K: ours(fa4) vs ours(cudnn) vs plain HF
 #   bash bench/h200_fa4.sh packed    # GPU tests of document masking (fa4 varlen) + bench_packed 128K/512K W=8
-#   bash bench/h200_fa4.sh dispatch-rects [L...]  # bench_packed default picks with a block's rectangles in one varlen
-#                                    # call vs one dense call each (--no-rect-varlen); default L = 131072
+#   bash bench/h200_fa4.sh dispatch-rects [L...]  # bench_packed default picks, one dense call per rectangle (default)
+#                                    # vs a block's rectangles of <= RECTS_MAX score elements in one varlen call
 #   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: dispatch (old solver pick, new default pick, old m=2,4,8) vs
 #                                    # zigzag and the k-pair default, same rows/seed; default L = 131072 524288
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
@@ -54,10 +54,11 @@ case "${1:-}" in
     python3 bench/bench_packed.py --lengths ${@:-131072 524288} --world 8 --per-rank 2 4 8 --rounds ${ROUNDS:-3} 2>&1 | grep -v Warn \
       | tee "$OUT/packed_dispatch_${1:-all}.log" | tail -40 ;;
   dispatch-rects)
-    # the rectangles of a block in one varlen call vs one dense call each (--no-rect-varlen), same rows, same call
+    # one dense call per rectangle (the default) vs a block's rectangles of <= RECTS_MAX (default 2048^2; 2^62: all)
+    # score elements in one varlen call, same rows, same call
     shift
     python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_backend.py -k "varlen" 2>&1 | tail -3 || true
-    for flag in "" --no-rect-varlen; do
+    for flag in "" "--rect-varlen ${RECTS_MAX:-4194304}"; do
       python3 bench/bench_packed.py --lengths ${@:-131072} --world 8 --rounds ${ROUNDS:-3} $flag 2>&1 | grep -v Warn \
         | tee -a "$OUT/packed_rects.log" | grep -A12 "^## Simulated"
     done ;;

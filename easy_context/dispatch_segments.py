@@ -177,12 +177,13 @@ class Estimate:
     more, smaller chunks it counts a few rectangles more than the kernel runs (adjacent kv rows merge there)."""
 
     def __init__(self, segs, prefix, restarts, first, world, window=None):
-        from .kernels.documents import VARLEN_MIN_DOCS, VARLEN_MIN_RECTS
+        from .kernels.documents import RECT_VARLEN_MAX, VARLEN_MIN_DOCS, VARLEN_MIN_RECTS
         self.work, self.pieces, self.steps = [0.0] * world, [0] * world, [1] * world
         # launches by kind (FA4, kernels/documents._group): a rank's own step lists its diagonal pieces (one per
         # document part) first, contiguous across its segments: one varlen launch when there are >= VARLEN_MIN_DOCS,
-        # else one dense launch each; the rectangles (earlier rows of a document) of one step (one source rank) are
-        # one varlen launch when there are >= VARLEN_MIN_RECTS, else one dense launch each
+        # else one dense launch each; every rectangle (earlier rows of a document, own or received) is a dense launch,
+        # or, with RECT_VARLEN_MAX > 0, those of one step (one source rank) one varlen launch when there are >=
+        # VARLEN_MIN_RECTS (all counted as under the cap: the estimate does not size them)
         self.dense, self.varlen = [0] * world, [0] * world
         rects = [{} for _ in range(world)]  # rank -> {source rank: rectangles}
         diag = [0] * world
@@ -204,7 +205,7 @@ class Estimate:
             srcs[r] |= held - {r}
         for r in range(world):
             for c in rects[r].values():
-                if c >= VARLEN_MIN_RECTS:
+                if RECT_VARLEN_MAX > 0 and c >= VARLEN_MIN_RECTS:
                     self.varlen[r] += 1
                 else:
                     self.dense[r] += c

@@ -178,6 +178,7 @@ def test_rectangles_go_in_one_varlen_call_and_equal_the_masked_reference(monkeyp
     (two rectangles with the same q rows: merged in two rounds)."""
     from easy_context.kernels import documents as kd
     monkeypatch.setitem(kernels.VARLEN, "math", (_math_varlen_forward, _math_varlen_backward))
+    monkeypatch.setattr(kd, "RECT_VARLEN_MAX", 10 ** 9)  # off by default (measured slower on the H200)
     g = torch.Generator().manual_seed(11)
     n = 48
     rows = [[7, 12, 3, 9, 9, 8], [30, 2, 16]]
@@ -208,7 +209,7 @@ def test_rectangles_go_in_one_varlen_call_and_equal_the_masked_reference(monkeyp
         for a, b in zip((*acc, *grads), (*got, *gg)):
             assert torch.equal(a, b)
         with monkeypatch.context() as m:
-            m.setattr(kd, "VARLEN_MIN_RECTS", 10 ** 9)  # one dense call per rectangle
+            m.setattr(kd, "RECT_VARLEN_MAX", 0)  # the default: one dense call per rectangle
             dense = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
             dense = (*dense, *kernels.attn_backward(di, qi, ki, vi, *dense, True, 0.3, "math", docs=blk))
         for b in range(2):
@@ -222,6 +223,11 @@ def test_rectangles_go_in_one_varlen_call_and_equal_the_masked_reference(monkeyp
                 assert_close(a[fin], r[fin], 1e-10, f"rects {name} row {b}")
                 assert_close(a[fin], c[fin], 1e-10, f"rects vs dense {name} row {b}")
     assert seen["rects"] >= 2 and seen["rounds"] == 2, seen
+    rects = [p for p in docs.block(*blocks[0]).pieces(0) if p[2] is False]  # 6 x 5 and 1 x 8 score elements
+    assert sorted((p[0].stop - p[0].start) * (p[1].stop - p[1].start) for p in rects) == [8, 30]
+    for cap, kinds in ((30, ["rects"]), (29, ["dense", "dense"]), (0, ["dense", "dense"])):
+        monkeypatch.setattr(kd, "RECT_VARLEN_MAX", cap)  # only rectangles of <= cap score elements join
+        assert [k for k, _ in kd._group("math", rects)] == kinds, cap
 
 
 def _fa_window_math(q, k, v, left, right, scale, fallback):

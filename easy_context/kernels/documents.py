@@ -38,9 +38,14 @@ WINDOWED = {"fa4": (fa4.window_forward, fa4.window_backward)}
 # -> (out, lse (H, total)); backward likewise.) Tests register a reference implementation here.
 VARLEN = {"fa4": (fa4.varlen_forward, fa4.varlen_backward)}
 VARLEN_MIN_DOCS = 4  # fewer documents in a run: per-document dense calls are as cheap
-# The rectangles of a block (earlier rows of a document: every received kv block of a dispatched ring is only
-# rectangles) in one non-causal varlen launch, q/k/v rows gathered, the results merged by row index: one launch and
-# one merge instead of one each per rectangle (a dense FA4 launch costs ~0.4 ms of host time on an H200).
+# Rectangles (earlier rows of a document; a dispatched ring's received blocks are only rectangles) of at most
+# RECT_VARLEN_MAX score elements go, when a block has >= VARLEN_MIN_RECTS of them, into one non-causal varlen call,
+# rows gathered by index and merged back by index: one launch and one merge instead of one each. Off (0) by default:
+# on the H200 (docs/packed_dispatch.md, 2026-12-05) grouping every rectangle was slower on the default deals at 128K
+# (12.1 vs 11.2 ms) and 512K (250.6 vs 245.3 ms): large rectangles pay the gathers, index adds and a varlen kernel
+# ~5% slower than the dense one. Small ones are launch-bound (~0.15 ms a dense FA4 call for 512 x 512); a cap such as
+# 2048 * 2048 is the untimed middle road (bench_packed.py --rect-varlen N).
+RECT_VARLEN_MAX = 0
 VARLEN_MIN_RECTS = 2
 
 
@@ -68,7 +73,8 @@ def _group(name, pieces):
         flush()
         if causal is True and qs == ks:
             run.append(p)
-        elif causal is False and name in VARLEN:
+        elif causal is False and name in VARLEN and \
+                (qs.stop - qs.start) * (ks.stop - ks.start) <= RECT_VARLEN_MAX:
             rects.append(p)
         else:
             items.append(("dense", p))
