@@ -130,19 +130,24 @@ def _disjoint_rounds(spans: tuple) -> tuple:
     return tuple(tuple(rd) for rd in rounds)
 
 
-def _rects_forward(name, q, k, v, bs, rects, scale, out, lse):
-    """The rectangles of a block in one non-causal varlen call; merged into ``out``/``lse`` (fp32) by row index."""
+def _rects_layout(q, bs, rects):
+    """(batch rows, q spans, q row index, kv row index, varlen lengths (cu_q, cu_k, max_q, max_k)) of rectangles."""
     nb = q[bs].shape[0]
     qsp, ksp = _spans(p[0] for p in rects), _spans(p[1] for p in rects)
-    qi, ki = _index_of(qsp, q.device), _index_of(ksp, q.device)
     cu_q, mq = _cu_of(tuple(b - a for a, b in qsp), nb, q.device)
     cu_k, mk = _cu_of(tuple(b - a for a, b in ksp), nb, q.device)
+    return nb, qsp, _index_of(qsp, q.device), _index_of(ksp, q.device), (cu_q, cu_k, mq, mk)
+
+
+def _rects_forward(name, q, k, v, bs, rects, scale, out, lse):
+    """The rectangles of a block in one non-causal varlen call; merged into ``out``/``lse`` (fp32) by row index."""
+    nb, qsp, qi, ki, lens = _rects_layout(q, bs, rects)
 
     def dense():
         parts = [_FORWARD[name](q[bs, qs], k[bs, ks], v[bs, ks], False, scale) for qs, ks, _ in rects]
         return _pack_varlen(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 2), nb)
     flat = [t[bs].index_select(1, i).reshape(-1, *t.shape[2:]) for t, i in ((q, qi), (k, ki), (v, ki))]
-    o, l = VARLEN[name][0](*flat, cu_q, cu_k, mq, mk, False, scale, dense)
+    o, l = VARLEN[name][0](*flat, *lens, False, scale, dense)
     o = o.view(nb, -1, *o.shape[1:])
     l = l.view(l.shape[0], nb, -1).transpose(0, 1)
     from . import merge_attn_out
@@ -165,11 +170,7 @@ def _rects_forward(name, q, k, v, bs, rects, scale, out, lse):
 
 def _rects_backward(name, dout, q, k, v, out, lse, bs, rects, scale, grads):
     """The rectangles' gradients in one non-causal varlen call, added into the fp32 ``grads`` by row index."""
-    nb = q[bs].shape[0]
-    qsp, ksp = _spans(p[0] for p in rects), _spans(p[1] for p in rects)
-    qi, ki = _index_of(qsp, q.device), _index_of(ksp, q.device)
-    cu_q, mq = _cu_of(tuple(b - a for a, b in qsp), nb, q.device)
-    cu_k, mk = _cu_of(tuple(b - a for a, b in ksp), nb, q.device)
+    nb, _, qi, ki, lens = _rects_layout(q, bs, rects)
 
     def dense():
         parts = [_BACKWARD[name](dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs], lse[bs, :, qs], False,
@@ -178,7 +179,7 @@ def _rects_backward(name, dout, q, k, v, out, lse, bs, rects, scale, grads):
     flat = [t[bs].index_select(1, i).reshape(-1, *t.shape[2:])
             for t, i in ((dout, qi), (q, qi), (k, ki), (v, ki), (out, qi))]
     l_flat = lse[bs].index_select(2, qi).transpose(0, 1).reshape(lse.shape[1], -1).contiguous()
-    g = VARLEN[name][1](*flat, l_flat, cu_q, cu_k, mq, mk, False, scale, dense)
+    g = VARLEN[name][1](*flat, l_flat, *lens, False, scale, dense)
     for acc, x, i in zip(grads, g, (qi, ki, ki)):
         acc[bs].index_add_(1, i, x.view(nb, -1, *x.shape[1:]).to(acc.dtype))
 
