@@ -1,5 +1,6 @@
 """Document-masked attention of one block (packed rows): dense pieces per document, and diagonal runs of many
-documents grouped into one varlen launch where the backend has a varlen kernel (``VARLEN``).
+documents grouped into one varlen launch where the backend has a varlen kernel (``VARLEN``); optionally
+(``RECT_VARLEN_MAX``, off by default: measured slower) a block's small rectangles in one more.
 
 Sliding windows: a ``Window`` piece runs in one call of the backend's window kernel (``WINDOWED``: fa4's
 window_size). Backends without one (cuDNN, ...) cut it into q tiles of w rows (``Window.tiles``); a tile's band
