@@ -1,6 +1,6 @@
 """Which per-rank features explain the measured rank times of bench_packed.py (issue #28 residual study, CPU only).
 
-    python bench/packed_features.py bench/results/h200_packed_dispatch_2026-12-04_run2.json
+    python bench/packed_features.py bench/results/h200_packed_dispatch_2026-12-04_run2.json [more JSONs: pooled]
 
 Rebuilds every timed layout of the JSON (same rows and seed: bench_packed is deterministic), checks its per-rank
 counts against the stored ones, computes candidate features from each rank's kernel pieces (tile-rounded work,
@@ -109,8 +109,9 @@ SETS = {
 }
 
 
-def main(path):
-    rows = json.load(open(path))["rows"]
+def main(paths):
+    """Fit every feature set on the per-rank times of one or more bench_packed JSONs (runs pooled)."""
+    rows = [r for path in paths for r in json.load(open(path))["rows"] if r.get("ranks") and "ms" in r["ranks"][0]]
     pts, cache = [], {}
     for row in rows:
         L, W = row["L"], row["W"]
@@ -140,12 +141,16 @@ def main(path):
             cv += list(np.abs(x[out] @ c / y[out] - 1))
         mm = []
         for n in (131072, 524288):
-            t = np.array([x[j] @ coef for j, p in enumerate(pts) if p[2] == n and "time-balanced" in p[3]])
-            mm.append(f"{t.max() / t.mean():.3f}")
-        print(f"    leave-one-layout-out mean {np.mean(cv):.3f}; predicted max/mean of the picks 128K {mm[0]}, "
-              f"512K {mm[1]} (measured 1.065, 1.073)")
+            sel = [j for j, p in enumerate(pts) if p[2] == n and "time-balanced" in p[3]]
+            if not sel:
+                mm.append("-")
+                continue
+            t, m = np.array([x[j] @ coef for j in sel]), y[sel]
+            mm.append(f"{t.max() / t.mean():.3f} (measured {m.max() / m.mean():.3f})")
+        print(f"    leave-one-layout-out mean {np.mean(cv):.3f}; predicted max/mean of the picks (all runs pooled) "
+              f"128K {mm[0]}, 512K {mm[1]}")
     return pts
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
