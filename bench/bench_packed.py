@@ -242,13 +242,15 @@ def balance_study(lengths_L, world, median, sigma, per_rank=(1, 2, 4, 8)):
     return rows
 
 
-def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=None, per_rank=(None,), rounds=1):
+def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=None, per_rank=(None,), rounds=1,
+             seed=0):
     """Time every rank's ring work (fwd + bwd) for the packed row in each layout of ``pairs`` (k values; default
-    plain zigzag and ``zigzag_pairs(L, world)``), under the dispatch with each ``per_rank`` (None: the cost model's
-    pick; () for none), and for the same row as one causal stream: one row per layout. ``rounds``: see timed()."""
-    lens = doc_lengths(L, median, sigma)
+    plain zigzag and ``zigzag_pairs(L, world)``; () for none), under the dispatch with each ``per_rank`` (None: the
+    cost model's pick; () for none), and for the same row as one causal stream: one row per layout. ``rounds``: see
+    timed(). ``seed``: of the document lengths (0: the rows of every table in docs/packed_dispatch.md)."""
+    lens = doc_lengths(L, median, sigma, seed)
     docs = packing.documents(positions(lens))
-    ks = sorted(set(pairs or (1, zigzag_pairs(L, world))))
+    ks = sorted(set(pairs if pairs is not None else (1, zigzag_pairs(L, world))))
     torch.manual_seed(0)
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     q, k_, v, do = (torch.randn(1, L, heads, dim, device=device, dtype=dt) for _ in range(4))

@@ -7,6 +7,8 @@
 #   bash bench/h200_fa4.sh packed    # GPU tests of document masking (fa4 varlen) + bench_packed 128K/512K W=8
 #   bash bench/h200_fa4.sh dispatch-rects [L...]  # bench_packed default picks, one dense call per rectangle (default)
 #                                    # vs a block's rectangles of <= RECTS_MAX score elements in one varlen call
+#   bash bench/h200_fa4.sh calibrate [L...]  # bench/packed_calibrate.py: the rank-time model fitted on the seed-0 rows,
+#                                    # then dispatch.py's pick vs the fitted model's pick on rows of seeds 1-3
 #   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: dispatch (old solver pick, new default pick, old m=2,4,8) vs
 #                                    # zigzag and the k-pair default, same rows/seed; default L = 131072 524288
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
@@ -53,6 +55,10 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_backend.py -k "varlen" 2>&1 | tail -3 || true
     python3 bench/bench_packed.py --lengths ${@:-131072 524288} --world 8 --per-rank 2 4 8 --rounds ${ROUNDS:-3} 2>&1 | grep -v Warn \
       | tee "$OUT/packed_dispatch_${1:-all}.log" | tail -40 ;;
+  calibrate)
+    shift
+    python3 bench/packed_calibrate.py --lengths ${@:-131072} --rounds ${ROUNDS:-3} 2>&1 | grep -v Warn \
+      | tee "$OUT/packed_calibrate.log" | tail -16 ;;
   dispatch-rects)
     # one dense call per rectangle (the default) vs a block's rectangles of <= RECTS_MAX (default 2048^2; 2^62: all)
     # score elements in one varlen call, same rows, same call
@@ -113,5 +119,5 @@ case "${1:-}" in
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
     cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; for f in /tmp/keep/bench_memory*.json; do cp "$f" "$OUT/m512.json" 2>/dev/null || true; done
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
-  *) echo "usage: $0 keep|install|kernels|step|packed|dispatch [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m512-start|m512-wait N" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|calibrate [L...]|dispatch [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m512-start|m512-wait N" >&2; exit 2 ;;
 esac

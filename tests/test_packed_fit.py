@@ -57,3 +57,31 @@ def test_feature_study_tiles():
     assert tiles(1024, 1024, True, 64, 128) == sum(i // 2 + 1 for i in range(16))
     assert tiles(128, 256, True, 128, 128) == 2
     assert tiles(100, 100, True, 128, 128) == 1
+
+
+def test_calibration_constants_round_trip_and_restore():
+    """bench/packed_calibrate.py: fitted constants (packed_fit units) map back onto dispatch.py's exactly, and
+    planning with them is scoped (constants and the table cache restored)."""
+    from bench.packed_calibrate import model, to_dispatch
+    from easy_context import dispatch as D
+    names = ("MS_PER_ELEM", "PIECE_TIME", "DENSE_TIME", "VARLEN_TIME", "STEP_TIME", "STEP_TIME_PER_TOKEN", "TOKEN_TIME")
+    before = {n: getattr(D, n) for n in names}
+    back = to_dispatch(packed_fit.current())
+    for n in names:
+        assert abs(back[n] - before[n]) <= 1e-9 * max(abs(before[n]), 1), n
+    other = dict(packed_fit.current(), pieces=0.5, Melem=0.2)
+    D._CACHE[("marker",)] = None
+    with model(other):
+        assert D.PIECE_TIME == 0.5 / (0.2 / 1e6) and D.MS_PER_ELEM == 0.2 / 1e6 and not D._CACHE
+    assert {n: getattr(D, n) for n in names} == before and not D._CACHE
+
+
+def test_calibration_bench_runs_on_cpu():
+    """The code path of the GPU experiment at a tiny size (the current model's predictions stand in for timings):
+    the fit recovers dispatch.py's own constants, so both models pick the same deal."""
+    from bench.packed_calibrate import run, to_dispatch
+    from easy_context import dispatch as D
+    consts, fit, base, rows = run(4096, 4, 4, 32, [1], 1, 1, device="cpu", per_rank=("new", 2), median=300,
+                                  sigma=1.0)
+    assert fit["max_rel_err"] < 1e-6 and len(rows) == 2 and rows[0]["same_pick"]
+    assert abs(to_dispatch(consts)["PIECE_TIME"] / D.PIECE_TIME - 1) < 1e-6
