@@ -419,6 +419,9 @@ def main():
     ap.add_argument("--no-lean-norm", action="store_true", help="ours without the lean (fused) RMSNorm")
     ap.add_argument("--no-fused-rope", action="store_true", help="ours with HF's RoPE instead of the fused one")
     ap.add_argument("--budget-s", type=float, default=510.0, help="whole-run wall-clock budget (seconds)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the 7B shape with this many decoder layers (e.g. 4: a real 1M-token step's per-layer time "
+                         "and memory within one device call; a full 32-layer 1M step takes ~35 min)")
     ap.add_argument("--tiny", action="store_true", help="tiny config; runs on CPU (code-path check)")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -435,9 +438,15 @@ def main():
             raise SystemExit("bench_memory.py needs a CUDA GPU (use --tiny for a CPU code-path check)")
         device = torch.device("cuda")
     one_rank_group()
-    model = build_model(llama7b_config(args.tiny), device)
+    config = llama7b_config(args.tiny)
+    if args.layers is not None:
+        if args.layers < 1:
+            raise SystemExit(f"--layers {args.layers}: must be >= 1")
+        config.num_hidden_layers = args.layers
+    model = build_model(config, device)
     total_gib = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None
-    print(env_line(), f"| params {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B", flush=True)
+    print(env_line(), f"| params {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B, "
+          f"layers: {model.config.num_hidden_layers}", flush=True)
 
     # warm-up (cuDNN plans, allocator) at a short length, off the table
     warm = 256 if args.tiny else 4096

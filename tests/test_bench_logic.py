@@ -21,19 +21,19 @@ def test_train_step_bench_paths_agree_on_cpu():
     assert "cpu smoke" in r.stdout
 
 
-@pytest.mark.parametrize("flags", [["--auto"], ["--head-chunks", "2"]])
+@pytest.mark.parametrize("flags", [["--auto"], ["--head-chunks", "2", "--layers", "1"]])
 def test_memory_bench_code_paths_run_on_cpu(flags):
     """bench_memory.py --tiny: every implementation and length of the GPU bench runs (--auto: the budgets' choice;
-    --head-chunks: attention blocks in head groups, recorded in the rows), so a device session does not find a
-    broken path."""
+    --head-chunks: attention blocks in head groups, recorded in the rows; --layers: a shallower model), so a device
+    session does not find a broken path."""
     import subprocess
     import sys
     r = subprocess.run([sys.executable, "bench/bench_memory.py", "--tiny", *flags], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "longest length reached: {'hf': 512, 'ours': 1024, 'probe': 2048}" in r.stdout, r.stdout[-2000:]
-    if "--head-chunks" in flags:
-        assert "| ours | 1024 | 3 |  | 2 | ok |" in r.stdout, r.stdout[-2000:]
+    if "--head-chunks" in flags:  # one layer (--layers 1): k=2 at 1024 tokens
+        assert "| ours | 1024 | 2 |  | 2 | ok |" in r.stdout and "layers: 1" in r.stdout, r.stdout[-2000:]
 
 
 def test_storage_census_counts_live_bytes_at_the_peak():
