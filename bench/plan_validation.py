@@ -80,8 +80,8 @@ POINTS = [
     ("ours offload+chunked+tiled fa4", S7, L128, OFF4, 1, tok(L128, 2811), 37.16, None, MEM5, ""),
     ("ours ... + 8 head groups (first point) #", S7, L64, {**OFF4, "head_chunks": 8}, 1, None, 29.46, None, MEM5, ""),
     ("ours ... + 8 head groups", S7, L128, {**OFF4, "head_chunks": 8}, 1, tok(L128, 2710), 33.0, None, MEM5, ""),
-    ("ours offload k=2 + 8 head groups, 512K (sel 16) $", S7, 524288, {**OFF4, "k": 2, "head_chunks": 8}, 1, 536.5,
-     None, 66.0, MEM5 + " 512K", ""),
+    ("ours offload k=2 + 8 head groups + 16 selective layers (auto)", S7, 524288,
+     {**OFF4, "k": 2, "head_chunks": 8, "selective_layers": 16}, 1, 536.5, 129.56, 66.0, MEM5 + " 512K", ""),
     ("ours offload k=3 + 8 head groups (probe)", S7, 1048576, {**OFF4, "k": 3, "head_chunks": 8}, 1, None, 120.32,
      90.0, MEM5, ""),
     ("ours offload k=2 * +", S7, L256, {**OFF, "k": 2}, 1, tok(L256, 1284), 57.89, None, MEMB, ""),
@@ -106,8 +106,8 @@ NOTES = [
     "+ = cuDNN and the 12-02 offload code (previous input prefetched before the attention backward): the fit "
     "points of attn_ws_factor; the fa4 12-04 points (dq accumulator in head groups, late prefetch) are the check. "
     "# = the run's first point pays the one-time pinning of the host pool (no step time).",
-    "$ = `--auto` also kept 16 layers' attention outputs on the GPU (65 GiB, GPU peak 129.56 GiB) so that their "
-    "nested recompute skips the attention: the plan models neither (no GPU column; its step time is without them).",
+    "auto = bench_memory --auto / train.py --checkpointing auto: k, head groups and the layers that keep their "
+    "attention output (Option.selective_layers: +65 GiB here, one attention forward recompute less each).",
     "probe = block-local attention (memory only, no time). ALST = DeepSpeed's TiledMLP/TiledFusedLogitsLoss with HF "
     "norms (not train.py's code; 64K time not reported). DESIGN train.py points: an earlier commit, cuDNN.",
     "bare = the benches' fwd+bwd step (bf16 weights, gradients, no optimizer); hf = SDPA + HF eager norms/RoPE.",

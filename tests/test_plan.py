@@ -48,6 +48,32 @@ def test_7b_128k_one_h200_fits_with_offload(capsys):
     assert "accelerate_configs/" in best["command"] and "train.py" in best["command"]
 
 
+def test_offload_candidates_with_selective_layers(capsys):
+    """An offload candidate with GPU memory to spare comes again with as many layers keeping their attention output
+    as fit (memory/auto.py's rule): each adds one output + LSE and takes one attention forward recompute off the step;
+    its command is --checkpointing auto (train.py chooses the layers from the budgets)."""
+    s = plan.load_shape("llama-2-7b")
+    env = plan.Env(gpu="h200", gpus_per_node=1, nodes=1, seq_len=524288, grad_accum=1, offload_every_k=2,
+                   host_mem_gib=10_000)
+    opt = plan.Option("zigzag_ring_attn", 1, 1, "offload", True, True, "bare", kernel="fa4", head_chunks=8)
+    base = plan.predict(s, opt, env)
+    from dataclasses import replace
+    sel = plan.predict(s, replace(opt, selective_layers=16), env)
+    out = (2 * s.d_attn + 4 * s.heads) * 524288 / 2**30
+    # kept from the forward on (the peak is the larger of start-of-backward and grads-built-up: it rises by at most)
+    assert base["gpu_peak_gib"] + 10 * out < sel["gpu_peak_gib"] <= base["gpu_peak_gib"] + 16 * out + 0.02
+    assert 0.85 < sel["step_s"] / base["step_s"] < 0.95 and sel["selective_layers"] == 16
+    from easy_context.tools.plan.search import with_selective
+    row = with_selective(s, opt, env, 8)
+    assert row is not None and 0 < row["selective_layers"] <= s.layers and row["fits"]
+    assert row["gpu_peak_gib"] <= 139.8 * plan.C("usable_gpu_fraction")
+    rc, out_, _ = run(capsys, "--model", "llama-2-7b", "--seq-length", "131072", "--gpus", "1", "--json")
+    rows = json.loads(out_)["candidates"]
+    auto = [r for r in rows if r.get("selective_layers")]
+    assert auto and all("--checkpointing auto" in r["command"] and "--offload-every-k" not in r["command"]
+                        for r in auto)
+
+
 def test_70b_1m_one_gpu_does_not_fit(capsys):
     rc, out, _ = run(capsys, "--model", "llama-2-70b", "--seq-length", "1048576", "--gpus", "1")
     assert rc == 1

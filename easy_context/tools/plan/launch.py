@@ -35,8 +35,12 @@ def train_flags(row: dict, env: Env) -> list[str]:
         f.append(f"--sp-size {row['sp']}")
     if row["ring"]:
         f.append(f"--ring_degree {row['ring']}")
-    f.append(f"--checkpointing {row['checkpointing']}")
-    if row["checkpointing"] == "offload" and row["offload_every_k"] and row["offload_every_k"] > 1:
+    if row.get("selective_layers"):  # offload + selective layers: what --checkpointing auto chooses from the budgets
+        f.append("--checkpointing auto")
+    else:
+        f.append(f"--checkpointing {row['checkpointing']}")
+    if row["checkpointing"] == "offload" and not row.get("selective_layers") and row["offload_every_k"] and \
+            row["offload_every_k"] > 1:
         f.append(f"--offload-every-k {row['offload_every_k']}")
     if row["chunked_loss"]:
         f.append("--chunked-loss")

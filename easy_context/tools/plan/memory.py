@@ -58,6 +58,11 @@ def attn_working_set(shape: Shape, kernel: str, checkpointing: str, T: float, he
     return ws
 
 
+def attn_output_bytes(shape: Shape, T: float) -> float:
+    """One layer's attention output (bf16) and LSE (fp32) at T tokens: what a selective layer keeps."""
+    return (2 * shape.d_attn + 4 * shape.heads) * T
+
+
 def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
     """Peak GPU bytes per GPU."""
     N, world, sp = shape.params(), env.world, opt.sp
@@ -76,6 +81,8 @@ def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
     }[opt.zero]
     kept_pl = {"layer": 2 * d, "selective": 2 * d + 2 * da + 4 * H, "offload": 0}[opt.checkpointing]
     kept = shape.layers * kept_pl * T + (k - 1) * 2 * d * T
+    if opt.checkpointing == "offload":  # layers keeping their attention output + LSE (memory/auto.py)
+        kept += opt.selective_layers * attn_output_bytes(shape, T)
     if k > 1 and mode_of(opt).supports_attention_cache:  # a nested group's rebuilt attention outputs (+ LSE), kept
         kept += (k - 1) * (2 * da + 4 * H) * T  # until their layer's backward (memory/offload + attention_cache)
     kv_eff = kv_width(shape, opt, sp)

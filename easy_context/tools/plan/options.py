@@ -22,6 +22,7 @@ class Option:
     kernel: str | None = None          # attention backend (None: the GPU's default; data_parallel: sdpa)
     fused_ops: bool = True             # train.py default; False = HF eager norms/RoPE (bench baseline)
     head_chunks: int = 1               # attention blocks in head groups (memory/head_chunks.py; not under ZeRO-3)
+    selective_layers: int = 0          # offload: layers keeping their attention output (train.py --checkpointing auto)
 
 
 @dataclass

@@ -51,7 +51,9 @@ def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: f
     if opt.head_chunks > 1:  # each group's q/k/v product is rebuilt in the block's backward (memory/head_chunks.py)
         per_layer += 2.0 * d * (da + 2 * shape.d_kv) * T / r_mm
     t_head = (6.0 + (2.0 if opt.chunked_loss else 0.0)) * shape.vocab * d * T / r_mm
-    return C("step_time_factor") * (shape.layers * per_layer + t_head), t_attn, t_attn_f
+    # a selective layer (offload + kept attention output, memory/auto.py) skips one attention forward recompute
+    skipped = min(opt.selective_layers, shape.layers) * t_attn_f if opt.checkpointing == "offload" else 0.0
+    return C("step_time_factor") * (shape.layers * per_layer - skipped + t_head), t_attn, t_attn_f
 
 
 def sp_comm_time(shape: Shape, opt: Option, env: Env, g: dict, T: float, t_attn: float, t_attn_f: float) -> float:
