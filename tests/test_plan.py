@@ -64,7 +64,7 @@ def test_offload_candidates_with_selective_layers(capsys):
     assert base["gpu_peak_gib"] + 10 * out < sel["gpu_peak_gib"] <= base["gpu_peak_gib"] + 16 * out + 0.02
     assert 0.85 < sel["step_s"] / base["step_s"] < 0.95 and sel["selective_layers"] == 16
     from easy_context.tools.plan.search import with_selective
-    row = with_selective(s, opt, env, 8)
+    row = with_selective(s, opt, env)
     assert row is not None and 0 < row["selective_layers"] <= s.layers and row["fits"]
     assert row["gpu_peak_gib"] <= 139.8 * plan.C("usable_gpu_fraction")
     rc, out_, _ = run(capsys, "--model", "llama-2-7b", "--seq-length", "131072", "--gpus", "1", "--json")

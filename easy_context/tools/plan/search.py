@@ -41,23 +41,24 @@ def candidates(shape: Shape, env: Env, kernel: str | None = None) -> list[dict]:
         if n > 1 and m.supports_attention_cache and not zero.startswith("zero3") and ckpt != "none":
             here.append(predict(shape, replace(opt, head_chunks=n), env))  # memory/head_chunks.py (not ZeRO-3)
         if ckpt == "offload" and chunked and tiled:  # what train.py --checkpointing auto adds: selective layers
-            here += [r for r in (with_selective(shape, opt, env, h["head_chunks"]) for h in here) if r]
+            here += [r for r in (with_selective(shape, replace(opt, head_chunks=h["head_chunks"]), env, h)
+                                 for h in here) if r]
         rows += here
     return rows
 
 
-def with_selective(shape: Shape, opt: Option, env: Env, head_chunks: int) -> dict | None:
-    """The offload candidate with as many layers keeping their attention output as the GPU memory it leaves holds
-    (memory/auto.py's rule: usable memory less its margin, one output + LSE per layer); None if none fits."""
+def with_selective(shape: Shape, opt: Option, env: Env, row: dict | None = None) -> dict | None:
+    """The offload candidate ``opt`` (predicted as ``row``) with as many layers keeping their attention output as the
+    GPU memory it leaves holds (memory/auto.py's rule: usable memory less its margin, one output + LSE per layer);
+    None if it does not fit or leaves no room for one."""
     from ...memory.auto import MARGIN
     from .constants import C, GiB, gpu_constants
     from .memory import attn_output_bytes
-    base = replace(opt, head_chunks=head_chunks)
-    row = predict(shape, base, env)
+    row = row or predict(shape, opt, env)
     gpu_mem = env.gpu_mem_gib if env.gpu_mem_gib is not None else gpu_constants(env.gpu)["memory_gib"]
     room = gpu_mem * C("usable_gpu_fraction") * (1 - MARGIN) * GiB - row["gpu_peak_gib"] * GiB
     s = min(shape.layers, int(room // attn_output_bytes(shape, env.batch * env.seq_len / opt.sp)))
-    return predict(shape, replace(base, selective_layers=s), env) if row["fits"] and s > 0 else None
+    return predict(shape, replace(opt, selective_layers=s), env) if row["fits"] and s > 0 else None
 
 
 def head_chunks_for(shape: Shape) -> int:
