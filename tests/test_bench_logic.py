@@ -131,3 +131,21 @@ def test_memory_bench_retries_an_auto_oom_with_a_wider_margin(monkeypatch):
     args = argparse.Namespace(auto=False, auto_retries=3, auto_margin=0.06, tiny=False)
     assert bench_memory.measure_or_retry(None, "ours", 524288, args, None, left=lambda: 100.0)["status"] == "OOM"
     assert margins == [0.06]
+
+
+def test_h200_script_parses_and_documents_every_command():
+    """bench/h200_fa4.sh (what a device session runs): valid bash, and every command it accepts is in its header
+    and in its usage line, so a session does not spend device time on a typo or an undocumented command."""
+    import re
+    import subprocess
+    path = "bench/h200_fa4.sh"
+    assert subprocess.run(["bash", "-n", path], capture_output=True).returncode == 0
+    text = open(path).read()
+    labels = re.findall(r"^  ([a-z0-9-]+)\)", text, flags=re.M)
+    usage = next(line for line in text.splitlines() if "usage:" in line)
+    assert "m512-wait" in labels and "calibrate" in labels
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert len(labels) > 10
+    for name in labels:
+        assert re.search(rf"\b{re.escape(name)}\b", usage), f"{name} missing from the usage line"
+        assert f"h200_fa4.sh {name}" in header, f"{name} missing from the header"
