@@ -405,6 +405,8 @@ def main():
                     help="a block's rectangles of <= N score elements in one varlen FA4 call "
                          "(kernels/documents.RECT_VARLEN_MAX; default 0: one dense call each, the library default)")
     args = ap.parse_args()
+    if args.rect_varlen < 0:
+        ap.error(f"--rect-varlen {args.rect_varlen}: a number of score elements >= 0 (0: one dense call a rectangle)")
     if args.rect_varlen:
         from easy_context.kernels import documents
         documents.RECT_VARLEN_MAX = args.rect_varlen
