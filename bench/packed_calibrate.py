@@ -104,6 +104,10 @@ def main():
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--check", action="store_true", help="CPU float32 smoke of the code path at 4096 tokens, W=4")
     args = ap.parse_args()
+    if args.rounds < 1 or args.iters < 1:
+        ap.error(f"--rounds {args.rounds} / --iters {args.iters}: each must be >= 1")
+    if 0 in args.seeds:
+        ap.error("--seeds: 0 is the rows the model is fitted on; give other seeds (e.g. 1 2 3)")
     if args.check:
         consts, fit, _, rows = run(4096, 4, 4, 32, [1], 1, 1, device="cpu", per_rank=("new", 2), median=300, sigma=1.0)
         print(to_dispatch(consts), fit)
