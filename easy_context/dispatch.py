@@ -43,7 +43,8 @@ TOKEN_COST = 0.0         # the linear per-token part (MLP, projections): equal o
 # step, the dispatch one) + 0.14 ms per further dispatch step. Mean |error| 4.3% (5.0% with one cost per piece and
 # no launch kinds); the per-token work, equal on every rank, fitted at 0 and kept at 0.22 ms per 16K (TOKEN_TIME).
 # Measured picks (2026-12-05, docs/packed_dispatch.md): 128K 21 chunks, slowest rank 1.73x faster than the default,
-# max/mean 1.108; 512K 25 chunks, 1.38x, 1.013. A re-fit on that run (mean |err| 1.8% in sample: 0.04 ms per piece,
+# max/mean 1.108; 512K 25 chunks, 1.38x, 1.013; a second run that day (with the sync fix): 128K 1.74x, 1.055; 512K
+# 1.32x, 1.047. A re-fit on that run (mean |err| 1.8% in sample: 0.04 ms per piece,
 # 0.34 ms per dense launch) picked a 25-chunk 128K deal that measured worse (1.55x, 1.116), so these stay.
 MS_PER_ELEM = 0.0945e-6
 PIECE_TIME = 1.83e6      # score elements per kernel piece (0.173 ms)
