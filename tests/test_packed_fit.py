@@ -85,3 +85,43 @@ def test_calibration_bench_runs_on_cpu():
                                   sigma=1.0)
     assert fit["max_rel_err"] < 1e-6 and len(rows) == 2 and rows[0]["same_pick"]
     assert abs(to_dispatch(consts)["PIECE_TIME"] / D.PIECE_TIME - 1) < 1e-6
+
+
+def test_calibration_pays_off_when_the_truth_differs():
+    """The calibration experiment's logic without a GPU: per-rank "times" from a synthetic truth (a kernel piece 3x,
+    a dense launch 0.3x dispatch.py's), the model fitted on the seed-0 layouts, then new rows (seeds 1-3) dealt by
+    dispatch.py's constants and by the fit. Under the truth the fitted picks are never slower and faster on some."""
+    from bench import bench_packed as B
+    from bench.packed_calibrate import model
+    L, W = 131072, 8
+    truth = dict(packed_fit.current())
+    truth["pieces"] *= 3
+    truth["dense"] *= 0.3
+
+    def true_max(plan):
+        ranks = B.layout_counts(L, W, plan=plan)
+        with model(truth):
+            return max(B.predicted_ms(ranks)), ranks
+
+    lens = B.doc_lengths(L, 1500, 1.5, 0)
+    rows = []
+    for m in ("old", "prev", "new", 2, 4, 8):
+        _, ranks = true_max(B.dispatch_layout(lens, L, W, m)[1])
+        with model(truth):
+            for c, ms in zip(ranks, B.predicted_ms(ranks)):
+                c["ms"] = ms
+        rows.append(dict(L=L, layout=str(m), ranks=ranks))
+    consts, res = packed_fit.fit(rows)
+    assert max(abs(float(r["rel_err"])) for r in res) < 1e-6
+    for k in ("Melem", "pieces", "dense", "extra_steps"):
+        assert abs(consts[k] - truth[k]) < 1e-6 * max(truth[k], 1), k
+    gains = []
+    for seed in (1, 2, 3):
+        lens = B.doc_lengths(L, 1500, 1.5, seed)
+        plain = true_max(B.dispatch_layout(lens, L, W, "new")[1])[0]
+        with model(consts):
+            plan = B.dispatch_layout(lens, L, W, "new")[1]
+        fitted = true_max(plan)[0]
+        assert fitted <= plain * 1.001, (seed, fitted, plain)
+        gains.append(plain / fitted)
+    assert max(gains) > 1.01, gains
