@@ -154,7 +154,7 @@ def _rects_forward(name, q, k, v, bs, rects, scale, out, lse):
     from . import merge_attn_out
     rounds = _disjoint_rounds(qsp)
     at = [0]
-    for a, b in qsp:
+    for a, b in qsp if len(rounds) > 1 else ():
         at.append(at[-1] + b - a)  # where each rectangle's rows start in the gathered q
     for rd in rounds:
         if len(rounds) == 1:

@@ -68,10 +68,10 @@ class _NoRoom(ValueError):
 
 def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n) -> CheckpointChoice:
     from ..tools.plan import gpu_constants
-    from ..tools.plan.memory import attn_working_set
+    from ..tools.plan.memory import attn_output_bytes, attn_working_set
     from ..tools.plan.step_time import _interp
     layers_n, T, d, da = shape.layers, float(tokens), shape.hidden, shape.d_attn
-    inp, out = 2 * d * T, (2 * da + 4 * shape.heads) * T
+    inp, out = 2 * d * T, attn_output_bytes(shape, T)
     if host_budget < inp:
         raise ValueError(f"auto checkpointing: one layer input at {tokens} tokens is {inp / GiB:.1f} GiB, more than "
                          f"the {host_budget / GiB:.1f} GiB of host memory available: shorten the sequence or use "

@@ -66,7 +66,7 @@ def attn_output_bytes(shape: Shape, T: float) -> float:
 def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
     """Peak GPU bytes per GPU."""
     N, world, sp = shape.params(), env.world, opt.sp
-    d, da, H = shape.hidden, shape.d_attn, shape.heads
+    d = shape.hidden
     live_zero3 = C("zero3_live_layers") * shape.layer_params() * 4 + shape.vocab * d * 4 * (1 if shape.tied else 2)
     extra2 = C("zero2_extra_bytes_per_param")
     adam = C("adam_bytes_per_param_gpu")
@@ -79,12 +79,13 @@ def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
         "zero3": ((4 + adam) * N / world + live_zero3, 0),
         "zero3-offload": (live_zero3, 0),
     }[opt.zero]
-    kept_pl = {"layer": 2 * d, "selective": 2 * d + 2 * da + 4 * H, "offload": 0}[opt.checkpointing]
-    kept = shape.layers * kept_pl * T + (k - 1) * 2 * d * T
+    out = attn_output_bytes(shape, T)
+    kept_pl = {"layer": 2 * d * T, "selective": 2 * d * T + out, "offload": 0}[opt.checkpointing]
+    kept = shape.layers * kept_pl + (k - 1) * 2 * d * T
     if opt.checkpointing == "offload":  # layers keeping their attention output + LSE (memory/auto.py)
-        kept += opt.selective_layers * attn_output_bytes(shape, T)
+        kept += opt.selective_layers * out
     if k > 1 and mode_of(opt).supports_attention_cache:  # a nested group's rebuilt attention outputs (+ LSE), kept
-        kept += (k - 1) * (2 * da + 4 * H) * T  # until their layer's backward (memory/offload + attention_cache)
+        kept += (k - 1) * out  # until their layer's backward (memory/offload + attention_cache)
     kv_eff = kv_width(shape, opt, sp)
     ws_attn = attn_working_set(shape, opt.kernel, opt.checkpointing, T, opt.head_chunks)
     mlp_tokens = min(T, d) if opt.tiled_mlp else T
