@@ -137,6 +137,8 @@ def dispatch_layout(lens, L, world, per_rank=None):
     pos = positions(lens)
     if per_rank in ("new", None):
         d = plan_dispatch(pos, world)
+    elif per_rank == "fastest":
+        d = plan_dispatch(pos, world, solver="fastest")
     elif per_rank in ("old", "prev"):
         d = plan_dispatch(pos, world, solver="chunks" if per_rank == "old" else "work")
     else:
@@ -147,9 +149,9 @@ def dispatch_layout(lens, L, world, per_rank=None):
 
 
 def _dispatch_name(d, world, m):
-    if m in ("new", None, "prev"):
-        return f"dispatch {d.chunks} chunks, {'work-balanced' if m == 'prev' else 'time-balanced'} pick " \
-            f"(<= {d.per_rank} a rank)"
+    if m in ("new", None, "prev", "fastest"):
+        kind = {"prev": "work-balanced", "fastest": "fastest-predicted"}.get(m, "time-balanced")
+        return f"dispatch {d.chunks} chunks, {kind} pick (<= {d.per_rank} a rank)"
     return f"dispatch {d.chunks} chunks, m={d.per_rank}" + (" (old pick)" if m == "old" else "")
 
 
@@ -420,7 +422,7 @@ def main():
             print({k: v for k, v in r.items() if k != "ranks"})
             assert float(r["err"]) < 1e-5, r
         return
-    per_rank = ["old", "prev", "new"] + [m for m in (args.per_rank or []) if m is not None]
+    per_rank = ["old", "prev", "fastest", "new"] + [m for m in (args.per_rank or []) if m is not None]
     counts = count_only(args.lengths, args.world, args.median, args.sigma, args.pairs, per_rank, args.heads,
                         args.head_dim)
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "

@@ -9,8 +9,9 @@
 #                                    # vs a block's rectangles of <= RECTS_MAX score elements in one varlen call
 #   bash bench/h200_fa4.sh calibrate [L...]  # bench/packed_calibrate.py: the rank-time model fitted on the seed-0 rows,
 #                                    # then dispatch.py's pick vs the fitted model's pick on rows of seeds 1-3
-#   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: dispatch (old solver pick, new default pick, old m=2,4,8) vs
-#                                    # zigzag and the k-pair default, same rows/seed; default L = 131072 524288
+#   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: dispatch (old solver pick, fastest-predicted pick, the default
+#                                    # pick with dispatch.pick's balance rule, old m=2,4,8) vs zigzag and the k-pair
+#                                    # default, same rows/seed; default L = 131072 524288
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
 #   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4
 #   bash bench/h200_fa4.sh lora      # bench_lora: LoRA vs full fine-tuning, 7B shape at 128K (peak memory, tok/s)

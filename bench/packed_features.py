@@ -71,9 +71,11 @@ def layout_features(L, world, lens, layout):
             f["ring"] = 1
             out.append(f)
         return out
-    m = ("old" if "old pick" in layout else "prev" if "work-balanced" in layout else "new" if "time-balanced" in
-         layout else int(layout.split("m=")[1]))
+    m = ("old" if "old pick" in layout else "prev" if "work-balanced" in layout else "fastest" if "fastest" in layout
+         else "new" if "time-balanced" in layout else int(layout.split("m=")[1]))
     d, plan = B.dispatch_layout(lens, L, world, m)
+    if m == "new" and d.chunks != int(layout.split()[1]):  # runs before 2026-12-05's balance rule: the fastest pick
+        d, plan = B.dispatch_layout(lens, L, world, "fastest")
     out = []
     for r in range(world):
         f = rank_features([bd for _, _, bd in B.dispatch_blocks(r, plan)], plan.received_tokens(r), L, world)

@@ -90,7 +90,10 @@ def run(args, L):
     torch.manual_seed(0)
     model = build_model(cfg, torch.device("cpu"))
     model.to(torch.bfloat16)
-    ns = argparse.Namespace(checkpointing=args.checkpointing, every_k=1, selective_layers=None, host_gib=1e9,
+    # offload keeps one input per k layers on the host: a host budget of 1/k of all inputs makes bench_memory pick k
+    host_gib = args.layers * L * d * 2 / 2**30 / args.every_k * 1.001 if args.every_k > 1 else 1e9
+    ns = argparse.Namespace(checkpointing=args.checkpointing, every_k=args.every_k,
+                            selective_layers=args.selective_layers, host_gib=host_gib,
                             probe_host_gib=1e9,
                             tiles="auto", selective=args.selective, no_lean_norm=args.no_lean_norm,
                             no_fused_rope=args.no_fused_rope, head_chunks=args.head_chunks)
@@ -135,6 +138,8 @@ def main():
     ap.add_argument("--no-lean-norm", action="store_true")
     ap.add_argument("--no-fused-rope", action="store_true")
     ap.add_argument("--head-chunks", type=int, default=1, help="attention blocks in head groups (memory/head_chunks)")
+    ap.add_argument("--every-k", type=int, default=1, help="offload/nested: one kept input per k layers")
+    ap.add_argument("--selective-layers", type=int, default=None, help="layers keeping their attention output")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lengths", type=int, nargs=2, default=[8192, 16384])

@@ -184,13 +184,33 @@ def test_segment_solver_keeps_tokens_and_balances_a_long_document():
     e_old, e_new = estimate(pos, old.cuts, old.owners), estimate(pos, new.cuts, new.owners)
     assert e_new.max_over_mean < e_old.max_over_mean and e_new.max_over_mean < 1.1, (e_old.max_over_mean,
                                                                                     e_new.max_over_mean)
-    from easy_context.dispatch import STEP_TIME
-    t = {s: max(estimate(pos, d.cuts, d.owners).time(STEP_TIME)) for s in SOLVERS
+    from easy_context.dispatch import BALANCE_SLACK, STEP_TIME, STEP_TIME_PER_TOKEN, TOKEN_TIME
+    fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * 2048
+    t = {s: max(estimate(pos, d.cuts, d.owners).time(STEP_TIME)) + fixed for s in SOLVERS
          for d in [plan_dispatch(pos, 4, solver=s)]}
-    # the default balances predicted time (work + pieces + steps): its candidates include every other solver's
-    assert t["auto"] <= min(t.values()) * (1 + 1e-12), t
+    # the default balances predicted time (work + pieces + steps): its candidates include every other solver's (it
+    # may give up to BALANCE_SLACK of it for balance, dispatch.pick)
+    assert t["auto"] <= min(t.values()) * (1 + BALANCE_SLACK + 1e-12), t
     with pytest.raises(ValueError, match="solver"):
         plan_dispatch(pos, 4, solver="greedy")
+
+
+def test_pick_gives_at_most_the_slack_for_balance():
+    from easy_context.dispatch import STEP_TIME_PER_TOKEN, TOKEN_TIME, pick
+    fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * 1000
+
+    def opt(m, times):
+        times = tuple(x - fixed for x in times)  # options carry times without the per-token part
+        return max(times), m, 0, f"deal {m}", times
+    fast, near_ok, near_better, far = (opt(1, (130, 100, 100, 100)), opt(2, (131, 130, 129, 130)),
+                                       opt(3, (132, 131, 131, 131)), opt(4, (150, 150, 150, 150)))
+    options = [far, near_better, near_ok, fast]
+    assert pick(options, 1000, slack=0.0) is fast                      # no slack: the fastest predicted
+    assert pick(options, 1000, slack=0.02) is near_ok                   # the fastest within the slack under the target
+    assert pick(options, 1000, slack=0.02, target=1.001) is near_better  # none under it: the best balanced in the slack
+    assert pick(options, 1000, slack=0.005) is fast                     # nothing else within 0.5%
+    balanced = opt(5, (120, 119, 119, 119))
+    assert pick([balanced, near_better], 1000) is balanced                # the fastest, already balanced: kept
 
 
 # ----------------------------------------------------------------------------------------------
