@@ -35,16 +35,53 @@ from easy_context.dispatch_segments import Estimate  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
-def truths(paths) -> dict[str, dict]:
-    """Constants (packed_fit units, ms) fitted on each GPU run with per-rank times."""
+def runs(paths) -> dict[str, list[dict]]:
+    """The bench_packed rows of each GPU run with per-rank times (older runs have summaries only), by run name."""
     out = {}
     for path in paths:
         with open(path) as f:
             rows = json.load(f).get("rows", [])
-        if any(r.get("ranks") and all("ms" in c for c in r["ranks"]) for r in rows):  # older runs: summaries only
-            rows = packed_fit._with_kinds(rows)
-            out[os.path.basename(path).removeprefix("h200_packed_").removesuffix(".json")] = packed_fit.fit(rows)[0]
+        if any(r.get("ranks") and all("ms" in c for c in r["ranks"]) for r in rows):
+            out[os.path.basename(path).removeprefix("h200_packed_").removesuffix(".json")] = packed_fit._with_kinds(rows)
     return out
+
+
+def truths(paths) -> dict[str, dict]:
+    """Constants (packed_fit units, ms) fitted on each GPU run with per-rank times."""
+    return {name: packed_fit.fit(rows)[0] for name, rows in runs(paths).items()}
+
+
+def held_out(paths, lengths, world, seeds, median=1500, sigma=1.5):
+    """Leave one run out: the model fitted on the other runs' per-rank times (pooled) picks (dispatch.pick), and the
+    pick is priced under the left-out run's own fit, beside the pick of dispatch.py's constants."""
+    from bench.packed_calibrate import model
+    by_run = runs(paths)
+    rows = []
+    for name, mine in by_run.items():
+        truth = packed_fit.fit(mine)[0]
+        pooled = packed_fit.fit([r for other, rs in by_run.items() if other != name for r in rs])[0]
+        for L in lengths:
+            if not applies(name, L):
+                continue
+            for seed in seeds:
+                pos = positions(doc_lengths(L, median, sigma, seed))
+                for label, consts in (("dispatch.py's constants", None), ("pooled fit of the other runs", pooled)):
+                    with (model(consts) if consts else _same()):
+                        options, cands = candidates(pos, world)
+                        i = options.index(D.pick(options, L // world))
+                    per = [rank_times(e, truth, L // world) for _, e in cands]
+                    t = per[i]
+                    rows.append(dict(L=L, seed=seed, truth=name, rule=label, pick=cands[i][0],
+                                     regret=max(t) / min(max(x) for x in per), max_over_mean=max(t) / (sum(t) / len(t))))
+    return rows
+
+
+class _same:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 RULES = ("fastest", "robust", "balanced 0.01", f"balanced {D.BALANCE_SLACK:g}", "balanced 0.03")
@@ -123,10 +160,10 @@ def study(lengths, world, seeds, spread, truth, median=1500, sigma=1.5):
     return rows
 
 
-def summary(rows):
+def summary(rows, rules=RULES):
     out = []
     for L in sorted({r["L"] for r in rows}):
-        for rule in RULES:
+        for rule in rules:
             sel = [r for r in rows if r["L"] == L and r["rule"] == rule]
             reg = [r["regret"] for r in sel]
             mm = [r["max_over_mean"] for r in sel]
@@ -145,6 +182,8 @@ def main():
     ap.add_argument("--spread", type=float, default=2.0, help="scenarios scale each overhead by 1/spread and spread")
     ap.add_argument("--runs", nargs="*", default=None, help="GPU JSONs (default: every h200_packed_*.json here)")
     ap.add_argument("--detail", action="store_true", help="one line per (row, truth, rule)")
+    ap.add_argument("--held-out", action="store_true",
+                    help="also: the model fitted on all runs but one picks, priced under the one left out")
     args = ap.parse_args()
     if args.spread < 1:
         ap.error(f"--spread {args.spread}: must be >= 1")
@@ -156,8 +195,15 @@ def main():
     rows = study(args.lengths, args.world, args.seeds, args.spread, truth)
     if args.detail:
         print(table(rows, ["L", "seed", "truth", "rule", "pick", "regret", "max_over_mean"]))
-    print(table(summary(rows), ["L", "rule", "cases", "regret_mean", "regret_max", "max_over_mean_mean",
-                                "max_over_mean_max", "within_5pct"]))
+    cols = ["L", "rule", "cases", "regret_mean", "regret_max", "max_over_mean_mean", "max_over_mean_max", "within_5pct"]
+    print(table(summary(rows), cols))
+    if args.held_out:
+        rows = held_out(args.runs or sorted(glob.glob(os.path.join(RESULTS, "h200_packed_*.json"))), args.lengths,
+                        args.world, args.seeds)
+        print("\n## Leave one run out: dispatch.py's constants vs the pooled fit of the other runs (both dispatch.pick)\n")
+        if args.detail:
+            print(table(rows, ["L", "seed", "truth", "rule", "pick", "regret", "max_over_mean"]))
+        print(table(summary(rows, ("dispatch.py's constants", "pooled fit of the other runs")), cols))
 
 
 if __name__ == "__main__":
