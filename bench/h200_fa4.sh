@@ -12,6 +12,8 @@
 #   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: dispatch (old solver pick, fastest-predicted pick, the default
 #                                    # pick with dispatch.pick's balance rule, old m=2,4,8) vs zigzag and the k-pair
 #                                    # default, same rows/seed; default L = 131072 524288
+#   bash bench/h200_fa4.sh dispatch-pick [L...]  # bench_packed's picks only (fastest-predicted vs the default with the
+#                                    # balance rule, dispatch.pick) and the default ring layout, ROUNDS=5; L = 131072
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
 #   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4
 #   bash bench/h200_fa4.sh lora      # bench_lora: LoRA vs full fine-tuning, 7B shape at 128K (peak memory, tok/s)
@@ -58,6 +60,10 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_backend.py -k "varlen" 2>&1 | tail -3 || true
     python3 bench/bench_packed.py --lengths ${@:-131072 524288} --world 8 --per-rank 2 4 8 --rounds ${ROUNDS:-3} 2>&1 | grep -v Warn \
       | tee "$OUT/packed_dispatch_${1:-all}.log" | tail -40 ;;
+  dispatch-pick)
+    shift
+    python3 bench/bench_packed.py --lengths ${@:-131072} --world 8 --rounds ${ROUNDS:-5} 2>&1 | grep -v Warn \
+      | tee "$OUT/packed_pick.log" | grep -A14 "^## Simulated" ;;
   calibrate)
     shift
     python3 bench/packed_calibrate.py --lengths ${@:-131072} --rounds ${ROUNDS:-3} 2>&1 | grep -v Warn \
@@ -125,5 +131,5 @@ case "${1:-}" in
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
     cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; for f in /tmp/keep/bench_memory*.json; do cp "$f" "$OUT/m512.json" 2>/dev/null || true; done
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
-  *) echo "usage: $0 keep|install|kernels|step|packed|calibrate [L...]|dispatch [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m1m-layers [N]|m512-start|m512-wait N" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|calibrate [L...]|dispatch [L...]|dispatch-pick [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m1m-layers [N]|m512-start|m512-wait N" >&2; exit 2 ;;
 esac
