@@ -42,7 +42,8 @@ def runs(paths) -> dict[str, list[dict]]:
         with open(path) as f:
             rows = json.load(f).get("rows", [])
         if any(r.get("ranks") and all("ms" in c for c in r["ranks"]) for r in rows):
-            out[os.path.basename(path).removeprefix("h200_packed_").removesuffix(".json")] = packed_fit._with_kinds(rows)
+            name = os.path.basename(path).removeprefix("h200_packed_").removesuffix(".json")
+            out[name] = packed_fit._with_kinds(rows)
     return out
 
 
@@ -70,9 +71,9 @@ def held_out(paths, lengths, world, seeds, median=1500, sigma=1.5):
                         options, cands = candidates(pos, world)
                         i = options.index(D.pick(options, L // world))
                     per = [rank_times(e, truth, L // world) for _, e in cands]
-                    t = per[i]
+                    t, best = per[i], min(max(x) for x in per)
                     rows.append(dict(L=L, seed=seed, truth=name, rule=label, pick=cands[i][0],
-                                     regret=max(t) / min(max(x) for x in per), max_over_mean=max(t) / (sum(t) / len(t))))
+                                     regret=max(t) / best, max_over_mean=max(t) / (sum(t) / len(t))))
     return rows
 
 
@@ -125,7 +126,8 @@ def scenarios(spread: float) -> list[dict]:
 
 def pick(options, tokens, times_by_scenario: list[list[list[float]]], rule: str) -> int:
     """Index of the option a rule keeps. "fastest" / "balanced S": dispatch.pick with slack 0 / S; "robust": the
-    lowest worst-case regret over the scenarios (``times_by_scenario[s][i]``: option i's rank times under scenario s)."""
+    lowest worst-case regret over the scenarios (``times_by_scenario[s][i]``: option i's rank times under
+    scenario s)."""
     if rule == "fastest":
         return options.index(D.pick(options, tokens, 0.0))
     if rule.startswith("balanced"):
@@ -200,7 +202,8 @@ def main():
     if args.held_out:
         rows = held_out(args.runs or sorted(glob.glob(os.path.join(RESULTS, "h200_packed_*.json"))), args.lengths,
                         args.world, args.seeds)
-        print("\n## Leave one run out: dispatch.py's constants vs the pooled fit of the other runs (both dispatch.pick)\n")
+        print("\n## Leave one run out: dispatch.py's constants vs the pooled fit of the other runs "
+              "(both dispatch.pick)\n")
         if args.detail:
             print(table(rows, ["L", "seed", "truth", "rule", "pick", "regret", "max_over_mean"]))
         print(table(summary(rows, ("dispatch.py's constants", "pooled fit of the other runs")), cols))

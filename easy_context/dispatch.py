@@ -430,8 +430,8 @@ def pick(options, tokens: int, slack: float = BALANCE_SLACK, target: float = BAL
 
 def segment_options(positions, length, world, window, tried, stats, solver="auto"):
     """The deals the segment solvers choose from, as (predicted slowest-rank time, m, kind, segments, predicted rank
-    times; times in score elements without the per-token part, equal on every rank): every per-m
-    best equal-chunk deal (kind 0, solver="auto" / "fastest"), and each with its boundaries moved by dispatch_segments.refine:
+    times; times in score elements without the per-token part, equal on every rank): every per-m best equal-chunk
+    deal (kind 0, solver="auto" / "fastest"), and each with its boundaries moved by dispatch_segments.refine:
     balancing work alone (kind 1), then from there time (2), and time from the start (3: fewer moves, pieces kept
     together)."""
     from .dispatch_segments import Estimate, refine, segments

@@ -160,11 +160,12 @@ def test_bad_inputs_fail_early_with_one_line(toy, tmp_path):
 
 
 # the default run's train.py representative (2 launches: the 1-process reference and zigzag on 2 ranks under
-# DeepSpeed ZeRO-3, with chunked loss and selective checkpointing); the other end-to-end runs are slow-only
+# DeepSpeed ZeRO-3, with chunked loss, selective checkpointing and the attention blocks in 2 head groups, which gather
+# their ZeRO-3 parameters themselves); the other end-to-end runs are slow-only
 def test_zigzag_equals_single_process_and_lr_is_flag(toy, reference, tmp_path):
     out = tmp_path / "zz"
     _ok(run_train(2, out, "zigzag_ring_attn", ["--save-rope-theta", "1e9", "--chunked-loss", "--checkpointing",
-                                               "selective"]))
+                                               "selective", "--head-chunks", "2"]))
     got = losses(out)
     assert len(got) == STEPS and all(abs(a - b) <= 1e-4 for a, b in zip(got, reference)), (got, reference)
     assert got[-1] < got[0] - 0.3, got  # learnable toy corpus
@@ -207,7 +208,7 @@ def test_other_sp_modes_equal_single_process(toy, reference, tmp_path, mode):
 @pytest.mark.slow
 def test_plain_python_single_process_with_wandb_offline(toy, tmp_path):
     """Without a launcher: one process, torch AdamW (no DeepSpeed), wandb offline run in the output dir; with the
-    attention blocks in head groups (--head-chunks: not under ZeRO-3, so here) over offloaded checkpoints."""
+    attention blocks in head groups (--head-chunks) over offloaded checkpoints."""
     out = tmp_path / "plain"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", toy["model"], "--dataset",
                         toy["data"], "--output-dir", str(out), "--parallel_mode", "zigzag_ring_attn", *COMMON,

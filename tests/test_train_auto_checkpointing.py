@@ -210,12 +210,14 @@ def test_auto_head_groups_on_a_tiny_model_are_exact(tmp_path):
     assert_close(loss.detach(), ref_loss, 1e-5, "auto head groups loss")
     for name, p in model.named_parameters():
         assert_close(p.grad, ref_grads[name], 1e-5, f"auto head groups grad {name}")
-    # an explicit --head-chunks under ZeRO-3 and with the model's own attention are refused up front
+    # under ZeRO-3 an explicit --head-chunks is taken (the blocks gather their parameters: test_head_chunks_zero3.py);
+    # with the model's own attention it is refused up front
     zero3 = _accelerator()
     zero3.state.deepspeed_plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3}})
-    with pytest.raises(UsageError, match="ZeRO-3"):
-        apply_memory_options(copy.deepcopy(model), _args(tmp_path, "--head-chunks", "2", "--parallel_mode", mode),
-                             SimpleNamespace(sp=1), zero3)
+    taken = apply_seq_parallel_monkey_patch(mode, copy.deepcopy(ref))
+    apply_memory_options(taken, _args(tmp_path, "--head-chunks", "2", "--parallel_mode", mode), SimpleNamespace(sp=1),
+                         zero3)
+    assert head_chunks_of(taken) == 2
     plain = next(m for m in SEQ_ALGOS if not get_mode(m).is_parallel)
     with pytest.raises(UsageError, match="--head-chunks needs a sequence-parallel mode"):
         _args(tmp_path, "--head-chunks", "2", "--parallel_mode", plain)

@@ -16,7 +16,8 @@ class SeqParallelOptions:
     checkpointing (None: leave it to ``TrainingArguments.gradient_checkpointing``; else one of
     ``easy_context.memory.CHECKPOINTING``, e.g. "offload"), offload_every_k, tiled_mlp, fused_ops (lean RMSNorm +
     fused RoPE), head_chunks (attention blocks in head groups, backward one group at a time: memory/head_chunks.py;
-    not under ZeRO-3), attn_backend (e.g. "fa4", "cudnn"; sets ``EASY_CONTEXT_ATTN_BACKEND`` for this process).
+    under ZeRO-3 each block gathers its own parameters), attn_backend (e.g. "fa4", "cudnn"; sets
+    ``EASY_CONTEXT_ATTN_BACKEND`` for this process).
     pad_to_multiple: append a filler document to rows the layout cannot cut (else such a batch is an error)."""
     mode: str = DEFAULT_MODE
     sp_size: int | None = None

@@ -80,7 +80,7 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
       backward one group at a time: one group's q/k/v/out/dq/dk/dv at the peak instead of all heads' (7B on an
       H200 with offload: 96.6 -> 56.6 KB/token with 8 groups, 0.96x the speed at 128K). Exact. Needs a mode's
       attention (apply_seq_parallel_monkey_patch, any mode, sp = 1 too), plain q/k/v/o Linears, a divisor of the
-      kv heads; not under ZeRO-3 (memory/head_chunks.py).
+      kv heads; under ZeRO-3 each block gathers its own parameters (memory/head_chunks.py).
     The chunked loss is not a model setting: compute the loss with ``causal_lm_loss``.
     """
     if checkpointing not in CHECKPOINTING:

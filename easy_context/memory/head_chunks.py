@@ -23,8 +23,10 @@ How (one ``autograd.Function`` per attention block call, reentrant-style like me
 So attention runs as often as without chunking (forward, plus one recompute under layer checkpointing). Needs a
 mode's lean attention (any mode, sp = 1 included; ``apply_seq_parallel_monkey_patch`` first) and separate
 q/k/v/o ``nn.Linear`` projections whose heads are contiguous rows (Llama, Mistral, Qwen2/3, Mixtral, Qwen MoE,
-Gemma 3). Not under ZeRO-3 (its parameters are gathered by hooks of the Linear modules, which the groups' sliced
-weights bypass).
+Gemma 3). Under DeepSpeed ZeRO-3 the groups slice the weights directly, bypassing the Linear modules' hooks that
+would gather them, so the block gathers its parameters itself (``deepspeed.zero.GatheredParameters``) for its forward
+and again for its backward: one gather per pass, as the modules' hooks would make, and the gradients reach ZeRO-3's
+reduce hooks once per parameter.
 """
 from __future__ import annotations
 
@@ -118,9 +120,10 @@ class _Rows(torch.nn.Module):
 
     def forward(self, x):
         out = self.qkv.part(self.i, x)
-        if self.hooks:
+        if self.hooks:  # not DeepSpeed's own (ZeRO-3 would release the parameters the block gathered)
             for hook in list(self.lin_._forward_hooks.values()):
-                hook(self.lin_, (x,), out)
+                if not getattr(hook, "__module__", "").startswith("deepspeed"):
+                    hook(self.lin_, (x,), out)
         return out
 
 
@@ -156,6 +159,45 @@ def _group_view(attn, g: int, n: int, hooks: bool, record=None):
         yield
     finally:
         mods.update(saved)
+
+
+def _gathered(params):
+    """Under DeepSpeed ZeRO-3 (partitioned parameters carry ``ds_id``): ``params`` whole while inside (the groups slice
+    the projections directly, so the modules' gather hooks never run); a no-op for none."""
+    params = [p for p in params if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _projection_params(attn):
+    return [p for name in PROJECTIONS for p in getattr(attn, name).parameters()]
+
+
+def _full_shape(p) -> torch.Size:
+    """A parameter's shape, also while ZeRO-3 holds it partitioned (``ds_shape``)."""
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+
+
+def _release_when_accumulated(gathers, params) -> None:
+    """Leave the ``gathers`` once every one of ``params`` has accumulated its gradient (post-accumulate hooks, removed
+    as they fire; ZeRO-3's own reduce hooks were registered first and run before)."""
+    def leave():
+        for g in reversed(gathers):
+            g.__exit__(None, None, None)
+    if not params:
+        leave()
+        return
+    left, handles = [len(params)], []
+
+    def done(_):
+        left[0] -= 1
+        if left[0] == 0:
+            for h in handles:
+                h.remove()
+            leave()
+    handles.extend(p.register_post_accumulate_grad_hook(done) for p in params)
 
 
 def _first(out):
@@ -198,6 +240,30 @@ class _HeadChunked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        attn = ctx.block[1]
+        if not any(hasattr(p, "ds_id") for p in attn.parameters()):
+            return _HeadChunked._backward(ctx, dy)
+        # ZeRO-3: the projections whole for the groups' slices. The q/k norms run as modules (ZeRO-3's hooks gather
+        # and release them); those are gathered again at the end, so that every parameter is whole when autograd
+        # accumulates the gradient returned here (AccumulateGrad lays it out like the parameter: a partitioned one has
+        # no elements), and all go back once the gradients are in
+        gathers = [_gathered(_projection_params(attn))]
+        gathers[0].__enter__()
+        try:
+            out = _HeadChunked._backward(ctx, dy)
+            with_grad = [p for p, g in zip(ctx.params, out[3:]) if g is not None]
+            proj = {id(p) for p in _projection_params(attn)}
+            gathers.append(_gathered([p for p in with_grad if id(p) not in proj]))
+            gathers[1].__enter__()
+        except BaseException:
+            for g in reversed(gathers):
+                g.__exit__(None, None, None)
+            raise
+        _release_when_accumulated(gathers, with_grad)
+        return out
+
+    @staticmethod
+    def _backward(ctx, dy):
         run, attn, names = ctx.block
         hidden, *flat = ctx.saved_tensors
         entries, i = [], 0
@@ -214,7 +280,7 @@ class _HeadChunked(torch.autograd.Function):
         def add(name, rows, cols, g):  # fp32 sum of one parameter's gradient (a slice of it per group)
             if name in want:
                 if name not in acc:
-                    acc[name] = torch.zeros(want[name].shape, dtype=torch.float32, device=g.device)
+                    acc[name] = torch.zeros(_full_shape(want[name]), dtype=torch.float32, device=g.device)
                 acc[name][(rows, cols)[:acc[name].dim()]] += g
 
         x2, dy2 = hidden.detach().reshape(-1, d), dy.reshape(-1, d)
@@ -268,10 +334,6 @@ def _check(attn, n: int):
         if type(m) is not torch.nn.Linear:
             raise ValueError(f"head_chunks: {name}.{p} is {type(m).__name__}, not a plain torch.nn.Linear (LoRA and "
                              f"quantised layers are not supported); use head_chunks=1")
-        if any(hasattr(t, "ds_id") for t in m.parameters()):
-            raise ValueError("head_chunks does not work under DeepSpeed ZeRO-3 (its parameters are gathered by the "
-                             "Linear modules' hooks, which the head groups bypass); use ZeRO-2 or none, or "
-                             "head_chunks=1")
     if len({getattr(attn, p).bias is None for p in PROJECTIONS[:3]}) > 1:  # one q/k/v product per group needs it
         raise ValueError(f"head_chunks: {name} has biases on some of q/k/v_proj only; use head_chunks=1")
     head_dim = attn.head_dim
@@ -292,8 +354,6 @@ def _attention_modules(model):
 
 def _chunked_forward(attn, n: int, forward):
     def chunked(hidden_states, *args, **kwargs):
-        if hasattr(attn.q_proj.weight, "ds_id"):  # partitioned after configure_memory (deepspeed.initialize)
-            _check(attn, n)
         def run(g, h, hooks, record=None):
             with _group_view(attn, g, n, hooks, record):
                 return forward(h, *args, **kwargs)
@@ -302,16 +362,18 @@ def _chunked_forward(attn, n: int, forward):
             hidden_states.requires_grad or any(p.requires_grad for p in attn.parameters()))
         if not needs_grad:
             y = None
-            for g in range(n):
-                yg = _first(run(g, hidden_states, False))
-                y = yg if y is None else y.add_(yg)
+            with _gathered(_projection_params(attn)):
+                for g in range(n):
+                    yg = _first(run(g, hidden_states, False))
+                    y = yg if y is None else y.add_(yg)
             return y, None
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
             raise ValueError("head-chunked attention: only the hidden states may require grad (position embeddings, "
                              "masks and other inputs must not)")
         named = tuple((name, p) for name, p in attn.named_parameters() if p.requires_grad)
-        return _HeadChunked.apply((run, attn, tuple(nm for nm, _ in named)), n, hidden_states,
-                                  *(p for _, p in named)), None
+        with _gathered(attn.parameters()):  # ZeRO-3: whole while the graph records their shapes (gradients come whole)
+            return _HeadChunked.apply((run, attn, tuple(nm for nm, _ in named)), n, hidden_states,
+                                      *(p for _, p in named)), None
     return chunked
 
 

@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="--checkpointing auto: share of the GPU budget left unplanned (default 0.06; raise it after an OOM)")
     a("--head-chunks", type=int, default=None,
       help="run each attention block in this many head groups, its backward one group at a time (exact; a smaller "
-      "working set: 96.6 -> 56.6 KB/token at 7B with 8 on an H200, ~4%% slower). Not under ZeRO-3. Default 1; "
-      "--checkpointing auto chooses it when not given (easy_context/memory/head_chunks.py)")
+      "working set: 96.6 -> 56.6 KB/token at 7B with 8 on an H200, ~4%% slower; under ZeRO-3 each block gathers its "
+      "own parameters). Default 1; --checkpointing auto chooses it when not given (easy_context/memory/head_chunks.py)")
     a("--chunked-loss", action="store_true", help="LM head + loss in chunks, never materializing full logits")
     a("--tiled-mlp", action="store_true", help="run MLPs tile by tile along the sequence")
     a("--no-sliding-window", action="store_true",

@@ -128,18 +128,13 @@ def apply_memory_options(model, args, layout=None, accelerator=None):
     from easy_context.memory import configure_memory
     from easy_context.ops import apply_fused_ops
 
-    from .auto_checkpointing import apply_auto_checkpointing, ds_config_of, zero_stage
+    from .auto_checkpointing import apply_auto_checkpointing
     choice = None
     heads = getattr(args, "head_chunks", None)
-    stage3 = zero_stage(ds_config_of(accelerator)) == 3
-    if (heads or 1) > 1 and stage3:
-        raise UsageError(f"--head-chunks {heads} does not work under DeepSpeed ZeRO-3 (its parameters are gathered by "
-                         "the projections' hooks, which head groups bypass): use --head-chunks 1 or a ZeRO-2 config "
-                         "(accelerate_configs/zero2_*.json)")
     try:
         if args.checkpointing == "auto":
             choice = apply_auto_checkpointing(model, args, layout, accelerator,
-                                              heads if heads is not None else (1 if stage3 else "auto"))
+                                              heads if heads is not None else "auto")
         else:
             configure_memory(model, checkpointing=args.checkpointing, tiled_mlp=args.tiled_mlp,
                              offload_every_k=1 if args.offload_every_k is None else args.offload_every_k,

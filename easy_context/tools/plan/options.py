@@ -21,7 +21,7 @@ class Option:
     ring: int | None = None            # usp_attn ring degree (ulysses = sp / ring)
     kernel: str | None = None          # attention backend (None: the GPU's default; data_parallel: sdpa)
     fused_ops: bool = True             # train.py default; False = HF eager norms/RoPE (bench baseline)
-    head_chunks: int = 1               # attention blocks in head groups (memory/head_chunks.py; not under ZeRO-3)
+    head_chunks: int = 1               # attention blocks in head groups (memory/head_chunks.py)
     selective_layers: int = 0          # offload: layers keeping their attention output (train.py --checkpointing auto)
 
 

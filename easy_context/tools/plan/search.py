@@ -38,8 +38,8 @@ def candidates(shape: Shape, env: Env, kernel: str | None = None) -> list[dict]:
         opt = Option(mode, dp, sp, ckpt, chunked, tiled, zero, ring=ring, kernel=kernel if m.is_parallel else None)
         here = [predict(shape, opt, env)]
         n = head_chunks_for(shape)
-        if n > 1 and m.supports_attention_cache and not zero.startswith("zero3") and ckpt != "none":
-            here.append(predict(shape, replace(opt, head_chunks=n), env))  # memory/head_chunks.py (not ZeRO-3)
+        if n > 1 and m.supports_attention_cache and ckpt != "none":
+            here.append(predict(shape, replace(opt, head_chunks=n), env))  # memory/head_chunks.py
         if ckpt == "offload" and chunked and tiled:  # what train.py --checkpointing auto adds: selective layers
             here += [r for r in (with_selective(shape, replace(opt, head_chunks=h["head_chunks"]), env, h)
                                  for h in here) if r]
