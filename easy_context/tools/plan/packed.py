@@ -3,9 +3,10 @@
 For one sampled row (seed 0) of the given document length distribution and the recommended candidate's ring size
 W: each layout's per-rank attention work (score elements of its q rows: keys attended per token, as the ring
 computes them), turned into fwd+bwd milliseconds with the GPU's measured attention throughput; for the dispatch also
-its launches, pieces and steps priced by dispatch.py's fitted time model (dispatch_segments.Estimate.time). Layouts: plain zigzag, the fixed k-pair zigzag (issue #14) and the
-cost-balanced dispatch (issue #28, the default for packed rows). A model, not a measurement:
-bench/bench_packed.py measures the same rows on a GPU.
+its launches, pieces, steps and per-token passes priced by dispatch.py's fitted time model
+(dispatch_segments.Estimate.time), with the max/mean of those times (what dispatch.pick balances). Layouts: plain
+zigzag, the fixed k-pair zigzag (issue #14) and the cost-balanced dispatch (issue #28, the default for packed rows).
+A model, not a measurement: bench/bench_packed.py measures the same rows on a GPU.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 
 import torch
 
-from ...dispatch import STEP_TIME, estimate, plan_dispatch, token_costs
+from ...dispatch import STEP_TIME, STEP_TIME_PER_TOKEN, TOKEN_TIME, estimate, plan_dispatch, token_costs
 from ...sharding import pair_chunks, zigzag_pairs
 
 
@@ -42,7 +43,9 @@ def layouts(pos: torch.Tensor, world: int) -> list[tuple[str, list[float], list[
                                                    for r in range(world)], None))
     d = plan_dispatch(pos, world)
     e = estimate(pos, d.cuts, d.owners)
-    out.append((f"dispatch {d.chunks} chunks (<= {d.per_rank} a rank)", list(e.work), e.time(STEP_TIME)))
+    fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * (length // world)  # per-token time, equal on every rank
+    out.append((f"dispatch {d.chunks} chunks (<= {d.per_rank} a rank)", list(e.work),
+                [t + fixed for t in e.time(STEP_TIME)]))
     return out
 
 
@@ -55,10 +58,10 @@ def packed_report(length: int, world: int, heads: int, head_dim: int, tflops: fl
     ms = lambda elems: 1e3 * elems * flops / (tflops * 1e12)  # noqa: E731
     lines = [f"packed rows (one sampled row: log-normal documents, median {median:g}, sigma {sigma:g}; {world} ring "
              f"ranks), attention per layer fwd+bwd, predicted:",
-             "  layout                         max/mean  slowest rank ms  (incl. launches, pieces)"]
+             "  layout                         max/mean  slowest rank ms  (all priced: ms, max/mean)"]
     for name, work, timed in layouts(pos, world):
         mean = sum(work) / world
-        extra = "" if timed is None else f"  ({ms(max(timed)):.1f})"
+        extra = "" if timed is None else f"  ({ms(max(timed)):.1f}, {max(timed) / (sum(timed) / world):.3f})"
         lines.append(f"  {name:<30} {max(work) / mean:8.3f}  {ms(max(work)):15.1f}{extra}")
     lines.append(f"  ideal (sum / W): {ms(sum(work) / world):.1f} ms")
     return "\n".join(lines)
