@@ -79,3 +79,32 @@ def _body(rank, world_size):
 
 def test_head_chunks_under_zero3_w2():
     run_ranks(_body, 2)
+
+
+def test_gathers_are_left_once_when_gradients_accumulate_or_at_the_next_call():
+    """The release logic alone (no DeepSpeed): the gathers are left after the last parameter's gradient accumulates,
+    exactly once; a backward that accumulates nothing leaves them pending until the block's next call releases them."""
+    from easy_context.memory.head_chunks import _PENDING, _release_pending, _release_when_accumulated
+
+    class Gather:
+        exits = 0
+
+        def __exit__(self, *exc):
+            Gather.exits += 1
+    attn = torch.nn.Module()
+    a, b = torch.ones(3, requires_grad=True), torch.ones(2, requires_grad=True)
+    _release_when_accumulated(attn, [Gather(), Gather()], [a, b])
+    assert Gather.exits == 0 and _PENDING in attn.__dict__
+    (a.sum() * 2).backward()
+    assert Gather.exits == 0  # b has not accumulated yet
+    b.sum().backward()
+    assert Gather.exits == 2 and _PENDING not in attn.__dict__
+    (a.sum() + b.sum()).backward()  # the hooks are gone
+    assert Gather.exits == 2
+    _release_when_accumulated(attn, [Gather()], [a])
+    torch.autograd.grad(a.sum(), [a])  # nothing accumulates: still held
+    assert Gather.exits == 2
+    _release_pending(attn)
+    assert Gather.exits == 3 and _PENDING not in attn.__dict__
+    a.sum().backward()
+    assert Gather.exits == 3

@@ -180,24 +180,37 @@ def _full_shape(p) -> torch.Size:
     return p.ds_shape if hasattr(p, "ds_shape") else p.shape
 
 
-def _release_when_accumulated(gathers, params) -> None:
+_PENDING = "_easy_context_head_chunks_pending"  # on the attention module: its release, while it waits
+
+
+def _release_when_accumulated(attn, gathers, params) -> None:
     """Leave the ``gathers`` once every one of ``params`` has accumulated its gradient (post-accumulate hooks, removed
-    as they fire; ZeRO-3's own reduce hooks were registered first and run before)."""
+    as they fire; ZeRO-3's own reduce hooks were registered first and run before). A backward that accumulates
+    nothing (``torch.autograd.grad`` of the input only) never fires them: the block's next call releases first."""
+    handles, left = [], [len(params)]
+
     def leave():
+        for h in handles:
+            h.remove()
+        attn.__dict__.pop(_PENDING, None)
         for g in reversed(gathers):
             g.__exit__(None, None, None)
     if not params:
         leave()
         return
-    left, handles = [len(params)], []
 
     def done(_):
         left[0] -= 1
         if left[0] == 0:
-            for h in handles:
-                h.remove()
             leave()
     handles.extend(p.register_post_accumulate_grad_hook(done) for p in params)
+    attn.__dict__[_PENDING] = leave
+
+
+def _release_pending(attn) -> None:
+    leave = attn.__dict__.get(_PENDING)
+    if leave is not None:
+        leave()
 
 
 def _first(out):
@@ -247,6 +260,7 @@ class _HeadChunked(torch.autograd.Function):
         # and release them); those are gathered again at the end, so that every parameter is whole when autograd
         # accumulates the gradient returned here (AccumulateGrad lays it out like the parameter: a partitioned one has
         # no elements), and all go back once the gradients are in
+        _release_pending(attn)
         gathers = [_gathered(_projection_params(attn))]
         gathers[0].__enter__()
         try:
@@ -259,7 +273,7 @@ class _HeadChunked(torch.autograd.Function):
             for g in reversed(gathers):
                 g.__exit__(None, None, None)
             raise
-        _release_when_accumulated(gathers, with_grad)
+        _release_when_accumulated(attn, gathers, with_grad)
         return out
 
     @staticmethod
@@ -354,6 +368,7 @@ def _attention_modules(model):
 
 def _chunked_forward(attn, n: int, forward):
     def chunked(hidden_states, *args, **kwargs):
+        _release_pending(attn)  # ZeRO-3: a gather a backward left for gradients that never accumulated
         def run(g, h, hooks, record=None):
             with _group_view(attn, g, n, hooks, record):
                 return forward(h, *args, **kwargs)
