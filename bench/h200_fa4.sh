@@ -26,6 +26,8 @@
 #   bash bench/h200_fa4.sh heads-1m [N]  # the 1M memory probe (k=3, ~88 GiB host) with N head groups
 #   bash bench/h200_fa4.sh m1m-layers [N]  # a real 1M-token fwd+bwd (full causal attention, --auto) through N=4
 #                                    # decoder layers of the 7B shape: per-layer time and memory within one call
+#   bash bench/h200_fa4.sh m1m-group   # the 32-layer 1M configuration (offload k=3, 8 head groups) on one nested
+#                                    # group of 3 decoder layers: x32/3 is the full step the plan predicts (~2120 s)
 #   bash bench/h200_fa4.sh m512-start [N]  # N (default 1) real 7B fwd+bwd at 512K in one process (--auto: k and
 #                                    # selective layers from the budgets), detached (setsid: it outlives the call,
 #   bash bench/h200_fa4.sh m512-wait N   #   ~10 min, over one call's limit); wait up to N s, copy its log to $OUT
@@ -118,6 +120,11 @@ case "${1:-}" in
   m1m-layers)
     python3 bench/bench_memory.py --hf-lengths --off-lengths --probe-lengths --opt-length 0 --ours-lengths 1048576 \
       --layers "${2:-4}" --host-gib 70 --auto --budget-s 560 2>&1 | grep -v Warn | tee "$OUT/m1m_layers.log" | tail -8 ;;
+  m1m-group)
+    # 3 layers x 1M x 8 KB = 24 GiB of layer inputs; a 9 GiB host budget makes bench_memory keep one per 3 (k = 3)
+    python3 bench/bench_memory.py --hf-lengths --off-lengths --probe-lengths --opt-length 0 --ours-lengths 1048576 \
+      --layers 3 --checkpointing offload --host-gib 9 --head-chunks 8 --budget-s 560 2>&1 | grep -v Warn \
+      | tee "$OUT/m1m_group.log" | tail -8 ;;
   m512-start)
     # 512K: layer inputs offloaded one per 2 layers (64 GiB pinned host memory: 128 GiB would not fit the host);
     # as many layers as the GPU memory left over holds keep their attention output (~4 GiB each): memory/auto.py.
@@ -131,5 +138,5 @@ case "${1:-}" in
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
     cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; for f in /tmp/keep/bench_memory*.json; do cp "$f" "$OUT/m512.json" 2>/dev/null || true; done
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
-  *) echo "usage: $0 keep|install|kernels|step|packed|calibrate [L...]|dispatch [L...]|dispatch-pick [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m1m-layers [N]|m512-start|m512-wait N" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|calibrate [L...]|dispatch [L...]|dispatch-pick [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m1m-layers [N]|m1m-group|m512-start|m512-wait N" >&2; exit 2 ;;
 esac
