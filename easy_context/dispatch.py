@@ -412,9 +412,9 @@ def pick(options, tokens: int, slack: float = BALANCE_SLACK, target: float = BAL
     max/mean is over ``target``: then, of the options within ``slack`` (relative) of it, the fastest under ``target``,
     else the best balanced (the per-token time, equal on every rank, counted in max/mean). Why: the model's ranking of
     deals this close in time is below its error from one GPU run to the next (~7%), while its balance holds better (a
-    wrong constant moves all ranks alike). Priced under the model re-fitted on each H200 run, it costs 0.2-0.4% of
-    the slowest rank on average and brings more 128K rows under 1.05 max/mean (bench/packed_robust.py,
-    docs/packed_dispatch.md)."""
+    wrong constant moves all ranks alike). Priced under the model re-fitted on each H200 run, it costs 0.3% of the
+    slowest rank on average at 128K (nothing at 512K, where the fastest deals are balanced) and brings 27 of 40 (row,
+    fit) cases under 1.05 max/mean instead of 20 (bench/packed_robust.py, docs/packed_dispatch.md)."""
     fastest = min(options, key=lambda o: o[:3])
     fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * tokens
 
