@@ -93,7 +93,7 @@ def test_no_helper_for_rows_without_restarts_nor_for_modes_that_never_dispatch()
         loader = _Loader(rows)
         batches = PlannedBatches(iter(loader), loader, _Layout(mode), 1)
         assert all(t is None for *_, t in batches)
-        assert batches._pool is None and batches.planned_here == 0
+        assert batches._planner._pool is None and batches.planned_here == 0
 
 
 def test_a_lost_helper_falls_back_to_planning_here(monkeypatch):
@@ -103,7 +103,8 @@ def test_a_lost_helper_falls_back_to_planning_here(monkeypatch):
 
     loader = _Loader(ROWS)
     batches = PlannedBatches(iter(loader), loader, _Layout(MODE), 1)
-    monkeypatch.setattr(batches, "_submit", lambda pos: Broken())
+    planner = batches._planner
+    monkeypatch.setattr(planner, "submit", lambda pos: Broken() if planner.wants(pos) else None)
     got = [t for *_, t in batches]
     assert got == [plan_table(MODE.name, 4, {}, r["position_ids"][:, :-1]) for r in ROWS]
     assert batches.planned_here == 4  # the first, inline; three lost jobs (the one-document row needs none)
@@ -112,3 +113,41 @@ def test_a_lost_helper_falls_back_to_planning_here(monkeypatch):
     loader = _Loader(ROWS)
     batches = PlannedBatches(iter(loader), loader, _Layout(MODE), 1)
     assert [t for *_, t in batches][1:] == [None] * 4  # submit failed: prepare_seq_parallel_inputs plans them
+
+
+def test_trainer_windows_get_the_next_windows_tables_from_the_helper():
+    """The Trainer integration (integrations/trainer.py get_batch_samples) reads the next window while cutting this
+    one: its tables come from the helper, equal the ones prepare_seq_parallel_inputs plans, and every batch is cut
+    once, in order, across windows (GA = 2, 5 rows: windows of 2, 2, 1)."""
+    from types import SimpleNamespace
+
+    from easy_context.integrations.trainer import SeqParallelTrainerMixin
+    from easy_context.integrations.batches import TARGETS, shard_batch
+    from easy_context.parallel_layout import ParallelLayout
+
+    layout = ParallelLayout(MODE.name, 4, 1, 1, 4, 4, 1)
+    t = SeqParallelTrainerMixin()  # the methods under test only need these attributes
+    t._ec_layout, t._ec_pad_id = layout, 0
+    t._ec_opts = SimpleNamespace(pad_to_multiple=True)
+    t.args = SimpleNamespace(gradient_accumulation_steps=2)
+    rows = [dict(r, labels=r["input_ids"]) for r in ROWS]
+    it, got, planned = iter(rows), [], []
+    orig = plan_ahead.HelperPlanner.result
+    try:
+        plan_ahead.HelperPlanner.result = lambda self, job, pos: planned.append(hasattr(job, "result")) or \
+            orig(self, job, pos)
+        for n in (2, 2, 1):
+            shards, count = t.get_batch_samples(it, n, torch.device("cpu"))
+            assert len(shards) == n and count is not None
+            got += shards
+        assert t.get_batch_samples(it, 2, torch.device("cpu")) == ([], None)
+    finally:
+        plan_ahead.HelperPlanner.result = orig
+        t._ec_ahead["planner"].close()
+    for shard, row in zip(got, rows):
+        want = shard_batch(dict(row), layout)  # planned here, by prepare_seq_parallel_inputs
+        for k in ("input_ids", "position_ids", TARGETS):
+            assert torch.equal(shard[k], want[k]), k
+        assert getattr(shard["position_ids"], DISPATCH_ATTR, None) == getattr(want["position_ids"], DISPATCH_ATTR, None)
+    # the first window is planned in prepare_inputs; the packed rows of the later ones by the helper
+    assert planned[:2] == [False, False] and planned[2] and planned[4], planned

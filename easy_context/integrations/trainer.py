@@ -25,10 +25,11 @@ How each piece maps onto the Trainer (the method overridden, on an SP subclass o
 from __future__ import annotations
 
 import os
+from collections import deque
 
 import torch
 
-from .batches import TARGETS, BatchError, shard_batch
+from .batches import TARGETS, BatchError, full_rows, shard_batch
 from .options import SeqParallelOptions, check_trainer
 from ..registry import DEFAULT_MODE
 
@@ -99,21 +100,56 @@ class SeqParallelTrainerMixin:
 
     # ------------------------------------------------------------------ one optimizer step's micro-batches
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        if not batches:
-            return batches, None
+        """This window's micro-batches, cut, and the window's token count; packed rows' dispatch tables of the next
+        window are planned meanwhile in a helper process (training/plan_ahead.py, as train.py does), so the window
+        after this one is read now (the Trainer's resume skips batches by step count, not by iterator position)."""
+        ahead = self.__dict__.setdefault("_ec_ahead", {"it": None, "queue": deque(), "planner": None})
+        if ahead["it"] is not epoch_iterator:  # a new epoch (the last one's read-ahead was all consumed)
+            ahead["it"], ahead["queue"] = epoch_iterator, deque()
+        if ahead["planner"] is None:
+            from ..training.plan_ahead import HelperPlanner
+            ahead["planner"] = HelperPlanner(self._ec_layout)
+        queue, planner = ahead["queue"], ahead["planner"]
+        items = [queue.popleft() for _ in range(min(num_batches, len(queue)))]
+        items += self._ec_read(epoch_iterator, num_batches - len(items), None)  # planned in prepare_inputs
+        queue.extend(self._ec_read(epoch_iterator, self.args.gradient_accumulation_steps, planner))
+        if not items:
+            return [], None
         shards, err = [], None
         try:
-            shards = [self._ec_shard(b) for b in batches]
+            shards = [self._ec_cut(item, planner) for item in items]
         except ValueError as e:  # BatchError, or a layout refusing the length: reported on every rank below
             err = str(e)
+        if not queue:  # the epoch's last window: no helper idles until the next epoch starts one
+            planner.close()
         count = sum(int((s[TARGETS] != -100).sum()) for s in shards) if err is None else 0
         return shards, _reduce_verdicts(count, err, device).to(device)
+
+    def _ec_read(self, epoch_iterator, n, planner):
+        """Up to ``n`` next batches as (rows or the error they raise, dispatch job: ``planner.submit`` or None)."""
+        out = []
+        for _ in range(n):
+            try:
+                batch = next(epoch_iterator)
+            except StopIteration:
+                break
+            try:
+                rows = full_rows(dict(batch), self._ec_layout.seq_multiple, self._ec_pad_id,
+                                 self._ec_opts.pad_to_multiple)
+            except ValueError as e:  # raised when its window is cut (every rank hears of it there)
+                out.append((e, None))
+                continue
+            out.append((rows, None if planner is None else planner.submit(rows[1])))
+        return out
+
+    def _ec_cut(self, item, planner):
+        rows, job = item
+        if isinstance(rows, Exception):
+            raise rows
+        ids, pos, tgt = rows
+        out = self._ec_layout.prepare_inputs(ids, pos, tgt, ids.device, dispatch=planner.result(job, pos))
+        return {"input_ids": out["local_input_ids"], "position_ids": out["local_position_ids"],
+                TARGETS: out["local_target_ids"]}
 
     def _ec_shard(self, batch):
         st = self._ec_opts

@@ -44,6 +44,51 @@ def plan_table(mode_name: str, sp: int, layout_kw: dict, positions):
     return get_mode(mode_name).dispatch_of(sp, positions=positions, **layout_kw)
 
 
+class HelperPlanner:
+    """Dispatch tables of a layout planned in one spawned helper process: ``submit(pos)`` starts one (None when there
+    is nothing to plan: rows without restarts, a layout that never dispatches, or no helper could start, in which case
+    ``prepare_inputs`` plans it itself), ``result(job, pos)`` waits for it (planned here if the helper died)."""
+
+    def __init__(self, layout):
+        self.args = (layout.mode.name, layout.sp, dict(layout.layout_kw))
+        self.on = layout.sp > 1 and layout.mode.dispatches
+        self._pool = None
+        self.planned_here = 0           # tables this process had to plan itself (first step, or a lost helper)
+
+    def wants(self, pos) -> bool:
+        return self.on and _packed(pos)
+
+    def plan_here(self, pos):
+        self.planned_here += 1
+        return plan_table(*self.args, pos)
+
+    def submit(self, pos):
+        if not self.wants(pos):
+            return None
+        try:
+            if self._pool is None:  # spawn: a fork would copy the training process's threads and CUDA state
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+                                                 initializer=_helper_init)
+            return self._pool.submit(plan_table, *self.args, pos.cpu())
+        except Exception:  # no helper process here (a sandbox, a broken pool): plan when it is needed
+            self.close()
+            return None
+
+    def result(self, job, pos):
+        if not hasattr(job, "result"):
+            return job  # a table planned here, None when there is nothing to plan, or a failed submit
+        try:
+            return job.result()
+        except Exception:  # a helper that died (memory, a signal): plan here, as prepare_seq_parallel_inputs would
+            self.close()
+            return self.plan_here(pos)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
 class PlannedBatches:
     """Iterate ``(input_ids, position_ids, targets, dispatch)`` of ``loader``'s batches (``batch_targets``), each
     with its dispatch table planned ``ahead`` micro-batches early in a helper process (None when the rows are not
@@ -51,13 +96,14 @@ class PlannedBatches:
 
     def __init__(self, batches, loader, layout, ahead: int):
         self._it, self._loader = iter(batches), loader
-        self._args = (layout.mode.name, layout.sp, dict(layout.layout_kw))
-        self._on = layout.sp > 1 and layout.mode.dispatches
+        self._planner = HelperPlanner(layout)
         self._ahead = max(1, int(ahead))
         self._queue: deque = deque()   # (inputs, positions, targets, future or table, loader state after it)
         self._state = copy.deepcopy(loader.state_dict())
-        self._pool = None
-        self.planned_here = 0           # tables this process had to plan itself (first step, or a lost helper)
+
+    @property
+    def planned_here(self) -> int:
+        return self._planner.planned_here
 
     def __iter__(self):
         return self
@@ -70,16 +116,14 @@ class PlannedBatches:
         inp, pos, tgt, job, state = self._queue.popleft()
         self._read()                      # keep `ahead` micro-batches in flight behind this one
         self._state = state
-        return inp, pos, tgt, self._result(job, pos)
+        return inp, pos, tgt, self._planner.result(job, pos)
 
     def state_dict(self) -> dict:
         """The loader's position after the last micro-batch handed out (not the ones read ahead)."""
         return copy.deepcopy(self._state)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._planner.close()
 
     def _read(self, first: bool = False) -> None:
         while len(self._queue) < self._ahead:
@@ -88,33 +132,11 @@ class PlannedBatches:
                 return
             inp, pos, tgt = batch_targets(batch)
             state = self._loader.state_dict()  # a fresh dict each call (data.py, dp_balance.py)
-            job = None
-            if self._on and _packed(pos):
-                if first:
-                    job, self.planned_here = plan_table(*self._args, pos), self.planned_here + 1
-                else:
-                    job = self._submit(pos)
+            if first:
+                job = self._planner.plan_here(pos) if self._planner.wants(pos) else None
+            else:
+                job = self._planner.submit(pos)
             self._queue.append((inp, pos, tgt, job, state))
-
-    def _submit(self, pos):
-        try:
-            if self._pool is None:  # spawn: a fork would copy the training process's threads and CUDA state
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
-                                                 initializer=_helper_init)
-            return self._pool.submit(plan_table, *self._args, pos.cpu())
-        except Exception:  # no helper process here (a sandbox, a broken pool): plan when it is needed
-            self.close()
-            return None
-
-    def _result(self, job, pos):
-        if not hasattr(job, "result"):
-            return job  # a table planned here, None when there is nothing to plan, or a failed submit (below)
-        try:
-            return job.result()
-        except Exception:  # a helper that died (memory, a signal): plan here, as prepare_seq_parallel_inputs would
-            self.close()
-            self.planned_here += 1
-            return plan_table(*self._args, pos)
 
 
 def _packed(pos) -> bool:
@@ -122,4 +144,4 @@ def _packed(pos) -> bool:
     return packed_rows(pos)
 
 
-__all__ = ["PlannedBatches", "plan_table"]
+__all__ = ["PlannedBatches", "HelperPlanner", "plan_table"]
