@@ -418,7 +418,7 @@ def main():
         return
     if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
         for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4),
-                          per_rank=("old", "prev", "new", 8), rounds=2):
+                          per_rank=("old", "prev", "fastest", "new", 8), rounds=2):
             print({k: v for k, v in r.items() if k != "ranks"})
             assert float(r["err"]) < 1e-5, r
         return
