@@ -1,7 +1,7 @@
 """Head-chunked attention blocks under DeepSpeed ZeRO-3 (every parameter partitioned, threshold 0): the block
 gathers its own parameters (the groups slice the weights, bypassing the Linear modules' gather hooks). Zigzag at
 W = 2 on packed rows, llama (MHA: one head per group at 4 groups) and qwen3 (GQA, per-head q/k norms), plain and
-over offloaded checkpoints (k = 2), and qwen3 with its q/k norms persistent (ZeRO-3's default for small parameters)
+over offloaded checkpoints (k = 2, two steps), and qwen3 with its q/k norms persistent (ZeRO-3's default for small parameters)
 while the projections are partitioned: loss and every full gradient equal one process within 1e-5 (fp32), and equal
 ZeRO-3 without groups; afterwards no parameter is left gathered. DeepSpeed on CPU over gloo."""
 from __future__ import annotations
@@ -18,9 +18,10 @@ DS_CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "zero_allow_untested_optimizer": True}
 
 
-def _step(rank, world_size, ref, ids, pos, tgt, persist=0, **memory):
-    """(loss summed over ranks, {name: full gradient}) of one ZeRO-3 step of the patched copy of ``ref``; parameters
-    of fewer than ``persist`` elements stay whole (stage3_param_persistence_threshold)."""
+def _step(rank, world_size, ref, ids, pos, tgt, persist=0, steps=1, **memory):
+    """(loss summed over ranks, {name: full gradient}) of the last of ``steps`` ZeRO-3 steps (learning rate 0: the
+    same step again) of the patched copy of ``ref``; parameters of fewer than ``persist`` elements stay whole
+    (stage3_param_persistence_threshold)."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
@@ -39,9 +40,12 @@ def _step(rank, world_size, ref, ids, pos, tgt, persist=0, **memory):
     assert any("q_proj" in n for n in partitioned), "the projections are not partitioned"
     assert all(p.numel() == 0 for n, p in engine.module.named_parameters() if n in partitioned), "not partitioned"
     p = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, pos, tgt, rank, world_size, torch.device("cpu"))
-    loss = causal_lm_loss(engine.module, p["local_input_ids"], p["local_position_ids"], p["local_target_ids"],
-                          chunk_size=7)
-    engine.backward(loss * world_size)  # ZeRO averages gradients over its (here: the sp) ranks
+    for step in range(steps):  # a later step gathers again: nothing may be left gathered by the one before
+        if step:
+            engine.step()
+        loss = causal_lm_loss(engine.module, p["local_input_ids"], p["local_position_ids"], p["local_target_ids"],
+                              chunk_size=7)
+        engine.backward(loss * world_size)  # ZeRO averages gradients over its (here: the sp) ranks
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = {name: safe_get_full_grad(prm) for name, prm in engine.module.named_parameters()}
@@ -63,7 +67,7 @@ def _body(rank, world_size):
         pos = packed_positions(2, 32, seed=3)
         _, ref_loss, ref_grads = per_document_reference(copy.deepcopy(ref), ids, pos, tgt)
         plain = _step(rank, world_size, ref, ids, pos, tgt, checkpointing="layer")
-        configs = [dict(checkpointing="layer"), dict(checkpointing="offload", offload_every_k=2)]
+        configs = [dict(checkpointing="layer"), dict(checkpointing="offload", offload_every_k=2, steps=2)]
         if family == "qwen3":  # 16-element q/k norms persistent, 4096-element projections partitioned
             configs.append(dict(checkpointing="layer", persist=100))
         for memory in configs:
