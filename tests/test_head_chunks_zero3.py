@@ -1,8 +1,8 @@
 """Head-chunked attention blocks under DeepSpeed ZeRO-3 (every parameter partitioned, threshold 0): the block
 gathers its own parameters (the groups slice the weights, bypassing the Linear modules' gather hooks). Zigzag at
 W = 2 on packed rows, llama (MHA: one head per group at 4 groups) and qwen3 (GQA, per-head q/k norms), plain and
-over offloaded checkpoints (k = 2, two steps), and qwen3 with its q/k norms persistent (ZeRO-3's default for small parameters)
-while the projections are partitioned: loss and every full gradient equal one process within 1e-5 (fp32), and equal
+over offloaded checkpoints (k = 2, two steps), and qwen3 with its q/k norms persistent (ZeRO-3's default for small
+parameters) while the projections are partitioned: loss and every full gradient equal one process within 1e-5 (fp32), and equal
 ZeRO-3 without groups; afterwards no parameter is left gathered. DeepSpeed on CPU over gloo."""
 from __future__ import annotations
 
