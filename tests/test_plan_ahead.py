@@ -115,7 +115,7 @@ def test_a_lost_helper_falls_back_to_planning_here(monkeypatch):
     assert [t for *_, t in batches][1:] == [None] * 4  # submit failed: prepare_seq_parallel_inputs plans them
 
 
-def test_trainer_windows_get_the_next_windows_tables_from_the_helper():
+def test_trainer_windows_get_the_next_windows_tables_from_the_helper(monkeypatch):
     """The Trainer integration (integrations/trainer.py get_batch_samples) reads the next window while cutting this
     one: its tables come from the helper, equal the ones prepare_seq_parallel_inputs plans, and every batch is cut
     once, in order, across windows (GA = 2, 5 rows: windows of 2, 2, 1)."""
@@ -133,16 +133,15 @@ def test_trainer_windows_get_the_next_windows_tables_from_the_helper():
     rows = [dict(r, labels=r["input_ids"]) for r in ROWS]
     it, got, planned = iter(rows), [], []
     orig = plan_ahead.HelperPlanner.result
+    monkeypatch.setattr(plan_ahead.HelperPlanner, "result",
+                        lambda self, job, pos: planned.append(hasattr(job, "result")) or orig(self, job, pos))
     try:
-        plan_ahead.HelperPlanner.result = lambda self, job, pos: planned.append(hasattr(job, "result")) or \
-            orig(self, job, pos)
         for n in (2, 2, 1):
             shards, count = t.get_batch_samples(it, n, torch.device("cpu"))
             assert len(shards) == n and count is not None
             got += shards
         assert t.get_batch_samples(it, 2, torch.device("cpu")) == ([], None)
     finally:
-        plan_ahead.HelperPlanner.result = orig
         t._ec_ahead["planner"].close()
     for shard, row in zip(got, rows):
         want = shard_batch(dict(row), layout)  # planned here, by prepare_seq_parallel_inputs

@@ -89,7 +89,13 @@ def full_rows(batch: dict, multiple: int, pad_id: int = 0, pad_to_multiple: bool
 
 def shard_batch(batch: dict, layout, pad_id: int = 0, pad_to_multiple: bool = True) -> dict:
     """This sp rank's slice: ``{"input_ids", "position_ids", TARGETS}`` (device of the batch)."""
-    ids, pos, tgt = full_rows(batch, layout.seq_multiple, pad_id, pad_to_multiple)
-    out = layout.prepare_inputs(ids, pos, tgt, ids.device)
+    return cut_rows(full_rows(batch, layout.seq_multiple, pad_id, pad_to_multiple), layout)
+
+
+def cut_rows(rows, layout, dispatch=None) -> dict:
+    """``full_rows``' (ids, positions, targets) cut for this sp rank (``dispatch``: a packed row's table planned
+    elsewhere, training/plan_ahead.py; else planned here)."""
+    ids, pos, tgt = rows
+    out = layout.prepare_inputs(ids, pos, tgt, ids.device, dispatch=dispatch)
     return {"input_ids": out["local_input_ids"], "position_ids": out["local_position_ids"],
             TARGETS: out["local_target_ids"]}

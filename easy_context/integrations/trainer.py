@@ -29,7 +29,7 @@ from collections import deque
 
 import torch
 
-from .batches import TARGETS, BatchError, full_rows, shard_batch
+from .batches import TARGETS, BatchError, cut_rows, full_rows, shard_batch
 from .options import SeqParallelOptions, check_trainer
 from ..registry import DEFAULT_MODE
 
@@ -146,10 +146,7 @@ class SeqParallelTrainerMixin:
         rows, job = item
         if isinstance(rows, Exception):
             raise rows
-        ids, pos, tgt = rows
-        out = self._ec_layout.prepare_inputs(ids, pos, tgt, ids.device, dispatch=planner.result(job, pos))
-        return {"input_ids": out["local_input_ids"], "position_ids": out["local_position_ids"],
-                TARGETS: out["local_target_ids"]}
+        return cut_rows(rows, self._ec_layout, planner.result(job, rows[1]))
 
     def _ec_shard(self, batch):
         st = self._ec_opts
