@@ -2,6 +2,7 @@
 
     python bench/packed_robust.py                      # 128K and 512K, W=8, seeds 0-7, every GPU run as a truth
     python bench/packed_robust.py --spread 2 --lengths 131072
+    python bench/packed_robust.py --deep               # also: the first search vs the deeper one (absolute)
 
 The solver (dispatch.py) builds a handful of deals per row and keeps the one its fitted time model predicts fastest.
 That model is ~2% right within a GPU run but its constants move from run to run (a kernel piece costs 0.04 ms in one
@@ -95,14 +96,58 @@ def applies(truth_name: str, L: int) -> bool:
     return not own or L in own
 
 
-def candidates(pos, world):
-    """(dispatch.py's options of the row (segment_options), per option (name, Estimate))."""
+def candidates(pos, world, search="first"):
+    """(options of the row, per option (name, Estimate)). ``search``: "first" = segment_options (the rules compare
+    on these), "deeper" = with the deeper search's too (sources = world), "auto" = dispatch.deal_options (the
+    deeper search only when the first one's pick is unbalanced: the library's default)."""
     L = pos.shape[-1]
     stats = D._stats(pos, None)
     tried = D.equal_deals(pos, L, world, None, None, stats)
     prefix, restarts, start = D._arrays(pos, None, stats)
-    options = D.segment_options(pos, L, world, None, tried, stats)
+    if search == "auto":
+        options = D.deal_options(pos, L, world, None, tried, stats)
+    else:
+        options = D.segment_options(pos, L, world, None, tried, stats)
+        if search == "deeper":
+            options += D.segment_options(pos, L, world, None, tried, stats, sources=world)
     return options, [(f"m={o[1]} kind {o[2]}", Estimate(o[3], prefix, restarts, start, world)) for o in options]
+
+
+SEARCHES = ("first", "deeper", "auto")
+
+
+def search_study(lengths, world, seeds, truth, median=1500, sigma=1.5):
+    """dispatch.pick over each search's options, priced under each truth: the slowest rank against the first
+    search's pick (absolute, not regret: a deeper search adds candidates, so the best one moves too)."""
+    rows = []
+    for L in lengths:
+        tokens = L // world
+        for seed in seeds:
+            pos = positions(doc_lengths(L, median, sigma, seed))
+            picks = {}
+            for search in SEARCHES:
+                options, cands = candidates(pos, world, search)
+                picks[search] = cands[options.index(D.pick(options, tokens))]
+            for tname, consts in truth.items():
+                if not applies(tname, L):
+                    continue
+                base = max(rank_times(picks["first"][1], consts, tokens))
+                for search, (name, est) in picks.items():
+                    t = rank_times(est, consts, tokens)
+                    rows.append(dict(L=L, seed=seed, truth=tname, search=search, pick=name, vs_first=max(t) / base,
+                                     max_over_mean=max(t) / (sum(t) / len(t))))
+    out = []
+    for L in lengths:
+        for search in SEARCHES:
+            sel = [r for r in rows if r["L"] == L and r["search"] == search]
+            if not sel:
+                continue
+            v, mm = [r["vs_first"] for r in sel], [r["max_over_mean"] for r in sel]
+            out.append(dict(L=L, search=search, cases=len(sel), vs_first_mean=f"{statistics.mean(v):.4f}",
+                            vs_first_min=f"{min(v):.4f}", vs_first_max=f"{max(v):.4f}",
+                            max_over_mean_mean=f"{statistics.mean(mm):.4f}", max_over_mean_max=f"{max(mm):.4f}",
+                            within_5pct=f"{sum(m <= 1.05 for m in mm)}/{len(mm)}"))
+    return rows, out
 
 
 def rank_times(est: Estimate, consts: dict, tokens: int) -> list[float]:
@@ -184,6 +229,8 @@ def main():
     ap.add_argument("--spread", type=float, default=2.0, help="scenarios scale each overhead by 1/spread and spread")
     ap.add_argument("--runs", nargs="*", default=None, help="GPU JSONs (default: every h200_packed_*.json here)")
     ap.add_argument("--detail", action="store_true", help="one line per (row, truth, rule)")
+    ap.add_argument("--deep", action="store_true",
+                    help="also: the first search, always the deeper one, and the deeper one for unbalanced rows only")
     ap.add_argument("--held-out", action="store_true",
                     help="also: the model fitted on all runs but one picks, priced under the one left out")
     args = ap.parse_args()
@@ -199,6 +246,14 @@ def main():
         print(table(rows, ["L", "seed", "truth", "rule", "pick", "regret", "max_over_mean"]))
     cols = ["L", "rule", "cases", "regret_mean", "regret_max", "max_over_mean_mean", "max_over_mean_max", "within_5pct"]
     print(table(summary(rows), cols))
+    if args.deep:
+        rows, out = search_study(args.lengths, args.world, args.seeds, truth)
+        print("\n## Searches: dispatch.pick over the first search's options, with the deeper search's always, and "
+              "with them for unbalanced rows only (auto, the default); slowest rank / the first search's\n")
+        if args.detail:
+            print(table(rows, ["L", "seed", "truth", "search", "pick", "vs_first", "max_over_mean"]))
+        print(table(out, ["L", "search", "cases", "vs_first_mean", "vs_first_min", "vs_first_max",
+                          "max_over_mean_mean", "max_over_mean_max", "within_5pct"]))
     if args.held_out:
         rows = held_out(args.runs or sorted(glob.glob(os.path.join(RESULTS, "h200_packed_*.json"))), args.lengths,
                         args.world, args.seeds)

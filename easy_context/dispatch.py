@@ -399,12 +399,35 @@ def equal_deals(positions, length, world, window, per_rank, stats) -> list[Predi
 
 
 def _pick_segments(positions, length, world, window, tried, stats, solver):
-    """(cuts, owners) of the deal ``pick`` keeps of ``segment_options``."""
+    """(cuts, owners) of the deal ``pick`` keeps of ``deal_options``."""
     from .dispatch_segments import to_table
     tokens = length // world
-    options = segment_options(positions, length, world, window, tried, stats, solver)
+    options = deal_options(positions, length, world, window, tried, stats, solver)
     best = pick(options, tokens, BALANCE_SLACK if solver in ("auto", "segments") else 0.0)
     return to_table(best[3], world)
+
+
+def deal_options(positions, length, world, window, tried, stats, solver="auto"):
+    """``segment_options``; for the balance-rule solvers ("auto", "segments"), when the deal ``pick`` keeps of them
+    is predicted over BALANCE_TARGET, also the deeper search's (``sources=world``: moves off any rank, the next
+    slowest when the slowest has none). Why only then: on the 128K rows of bench_packed (seeds 0-7, W = 8) priced
+    under the model re-fitted on each H200 run, always searching deeper gives 3.7% faster slowest ranks on average
+    but fewer balanced picks (21 of 40 (row, fit) cases <= 1.05 max/mean, from 27): its deals have fewer, larger
+    pieces, whose balance depends more on the per-piece constants, the least stable ones from run to run. Searching
+    deeper only for rows left unbalanced gives 2.7% and 30 of 40 (bench/packed_robust.py --deep, 2026-12-05); the
+    rows the first search balances keep their deal, and their planning time (~0.2 s at 128K, ~0.4 s deeper)."""
+    options = segment_options(positions, length, world, window, tried, stats, solver)
+    tokens = length // world
+    if solver in ("auto", "segments") and world > 2 and balance(pick(options, tokens), tokens) > BALANCE_TARGET:
+        options += segment_options(positions, length, world, window, tried, stats, solver, sources=world)
+    return options
+
+
+def balance(option, tokens: int) -> float:
+    """Predicted max/mean rank time of an option (the per-token time, equal on every rank, counted)."""
+    fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * tokens
+    t = [x + fixed for x in option[4]]
+    return max(t) / (sum(t) / len(t))
 
 
 def pick(options, tokens: int, slack: float = BALANCE_SLACK, target: float = BALANCE_TARGET):
@@ -417,26 +440,23 @@ def pick(options, tokens: int, slack: float = BALANCE_SLACK, target: float = BAL
     fit) cases under 1.05 max/mean instead of 20 (bench/packed_robust.py, docs/packed_dispatch.md)."""
     fastest = min(options, key=lambda o: o[:3])
     fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * tokens
-
-    def balance(o):
-        t = [x + fixed for x in o[4]]
-        return max(t) / (sum(t) / len(t))
-    if slack <= 0 or balance(fastest) <= target:
+    if slack <= 0 or balance(fastest, tokens) <= target:
         return fastest
     near = [o for o in options if o[0] + fixed <= (fastest[0] + fixed) * (1 + slack)]
-    good = [o for o in near if balance(o) <= target]
-    return min(good, key=lambda o: o[:3]) if good else min(near, key=lambda o: (balance(o), *o[:3]))
+    good = [o for o in near if balance(o, tokens) <= target]
+    return min(good, key=lambda o: o[:3]) if good else min(near, key=lambda o: (balance(o, tokens), *o[:3]))
 
 
-def segment_options(positions, length, world, window, tried, stats, solver="auto"):
+def segment_options(positions, length, world, window, tried, stats, solver="auto", sources: int = 1):
     """The deals the segment solvers choose from, as (predicted slowest-rank time, m, kind, segments, predicted rank
     times; times in score elements without the per-token part, equal on every rank): every per-m best equal-chunk
     deal (kind 0, solver="auto" / "fastest"), and each with its boundaries moved by dispatch_segments.refine:
     balancing work alone (kind 1), then from there time (2), and time from the start (3: fewer moves, pieces kept
-    together)."""
+    together). ``sources`` > 1: the refines' deeper search (kinds 4-6 for 1-3, no kind 0)."""
     from .dispatch_segments import Estimate, refine, segments
     prefix, restarts, start = _arrays(positions, window, stats)
     tile = tile_of(length, world)
+    deep = 3 if sources > 1 else 0
 
     def times(segs):
         return Estimate(segs, prefix, restarts, start, world, window).time(STEP_TIME)
@@ -450,15 +470,15 @@ def segment_options(positions, length, world, window, tried, stats, solver="auto
     options = []
     for m, (t, cuts, owners) in sorted(per_m.items()):
         segs = segments(cuts, owners)
-        if solver in ("auto", "fastest", "work"):
+        if solver in ("auto", "fastest", "work") and not deep:
             options.append(_option(times(segs), m, 0, segs))
-        by_work = refine(segs, prefix, world, tile)
-        options.append(_option(times(by_work), m, 1, by_work))
+        by_work = refine(segs, prefix, world, tile, sources=sources)
+        options.append(_option(times(by_work), m, 1 + deep, by_work))
         if solver == "work":  # the first segment solver: boundaries moved by work alone (kept for bench_packed)
             continue
         for i, first in enumerate((by_work, segs)):
-            out = refine(first, prefix, world, tile, times=times, piece=PIECE_TIME)
-            options.append(_option(times(out), m, 2 + i, out))
+            out = refine(first, prefix, world, tile, times=times, piece=PIECE_TIME, sources=sources)
+            options.append(_option(times(out), m, 2 + i + deep, out))
     return options
 
 

@@ -4,7 +4,8 @@ An equal-chunk deal (dispatch.solve) cannot balance a row whose cost sits in one
 costs more than a rank's share allows. Here the deal is seen as segments (maximal runs of one rank's chunks) and the
 boundaries between them move, in tile steps, in cycles that keep every rank's token count: the most loaded rank a
 gives the d tokens at one of its segment edges to the neighbour x and takes d tokens back at another edge, from x
-(a 2-cycle) or from y where x hands d tokens to y at an x|y boundary (a 3-cycle). Expensive tokens (late in a long
+(a 2-cycle) or from y where x hands d tokens to y at an x|y boundary (a 3-cycle). The deeper search (``sources``)
+moves work off the next slowest rank when the slowest has no such move. Expensive tokens (late in a long
 document) leave, cheap ones arrive; a move is kept when it lowers the largest load of the ranks it touches below
 a's. Segments only shrink, grow or vanish, so the deal never gets more pieces; the result is the same ``Dispatch``
 with ``cuts``. Deterministic (ties go to the first option in boundary order, then the smallest d).
@@ -76,30 +77,39 @@ def _apply(segs, d, shifts):
 
 
 def refine(segs, prefix: np.ndarray, world: int, tile: int, iters: int = 400, times=None, piece: float = 0.0,
-           top: int = 8) -> list[list[int]]:
+           top: int = 8, sources: int = 1) -> list[list[int]]:
     """Lower the slowest rank of ``segs`` by token-preserving boundary cycles. ``prefix``: (L + 1,) cumulative token
     cost. ``times``: segs -> per-rank predicted time (default: work alone). The slowest rank's moves are ranked by
     their work change (a move that empties a segment credited ``piece``, the kernel piece it saves); the ``top`` of
     them are priced exactly by ``times`` (pieces and ring steps change with the boundaries, also on other ranks)
-    and the best kept if it lowers the sorted rank times."""
+    and the best kept if it lowers the sorted rank times. ``sources`` > 1: when the slowest rank has no such move,
+    the next slowest ranks (up to ``sources`` in all) are tried in turn: levelling the ranks below the top (the key
+    is lexicographic) opens moves for the slowest later. Costs ~2.5x the planning time."""
     segs = _normalise(segs)
     times = times or (lambda s: loads(s, prefix, world))
     cur = np.asarray(times(segs), dtype=float)
     quantum = 1e-7 * max(float(cur.max()), 1e-30)
     for _ in range(iters):
-        best, best_key = None, _rank_key(cur, quantum)
+        best = _best_move(segs, prefix, cur, tile, piece, top, sources, times, quantum)
+        if best is None:
+            break
+        segs, cur = best
+    return segs
+
+
+def _best_move(segs, prefix, cur, tile, piece, top, sources, times, quantum):
+    """(segments, times) after the best priced move off the slowest rank that has one, or None."""
+    best, best_key = None, _rank_key(cur, quantum)
+    for a in np.argsort(-cur, kind="stable")[:sources]:
         for three in (False, True):  # 3-cycles only when no 2-cycle helps
-            for d, shifts in _moves(segs, prefix, cur, tile, three, piece)[:top]:
+            for d, shifts in _moves(segs, prefix, cur, tile, three, piece, int(a))[:top]:
                 new = _apply(segs, d, shifts)
                 t = np.asarray(times(new), dtype=float)
                 if _rank_key(t, quantum) < best_key:
                     best, best_key = (new, t), _rank_key(t, quantum)
             if best is not None:
-                break
-        if best is None:
-            break
-        segs, cur = best
-    return segs
+                return best
+    return None
 
 
 def _options(segs, prefix, tile, who, give: bool):
@@ -128,11 +138,10 @@ def _options(segs, prefix, tile, who, give: bool):
     return out
 
 
-def _moves(segs, prefix, load, tile, three: bool, piece: float):
-    """Candidate cycles off the slowest rank a, best first by the largest resulting load of the ranks they touch
+def _moves(segs, prefix, load, tile, three: bool, piece: float, a: int):
+    """Candidate cycles off rank a (the slowest, or the next when it has none), best first by the largest resulting load of the ranks they touch
     (work change only, less ``piece`` when a segment empties): per (give, take) edge pair the best d and the
     largest d (which empties a segment). [(d, ((boundary, sign), ...))]."""
-    a = int(np.argmax(load))
     la = load[a]
     gives = _options(segs, prefix, tile, a, True)
     takes = _options(segs, prefix, tile, a, False)
