@@ -128,15 +128,16 @@ case "${1:-}" in
   m512-start)
     # 512K: layer inputs offloaded one per 2 layers (64 GiB pinned host memory: 128 GiB would not fit the host);
     # as many layers as the GPU memory left over holds keep their attention output (~4 GiB each): memory/auto.py.
+    # --timeline: CUDA events only (no sync in the step): how much of the offload copies compute hides at 512K.
     mkdir -p /tmp/keep && rm -f /tmp/keep/m512.*
     OUT=/tmp/keep setsid nohup python3 bench/bench_memory.py --hf-lengths --off-lengths --probe-lengths \
-      --opt-length 0 --ours-lengths 524288 --host-gib 70 --auto --repeat "${2:-1}" --budget-s 1800 \
+      --opt-length 0 --ours-lengths 524288 --host-gib 70 --auto --repeat "${2:-1}" --budget-s 1800 --timeline \
       > /tmp/keep/m512.log 2>&1 < /dev/null & echo $! > /tmp/keep/m512.pid; echo "started pid $(cat /tmp/keep/m512.pid)" ;;
   m512-wait)
     end=$(( $(date +%s) + ${2:-500} ))
     while kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
-    cp /tmp/keep/m512.log "$OUT/" 2>/dev/null || true; for f in /tmp/keep/bench_memory*.json; do cp "$f" "$OUT/m512.json" 2>/dev/null || true; done
+    cp /tmp/keep/m512.log /tmp/keep/offload_trace_*.json "$OUT/" 2>/dev/null || true; for f in /tmp/keep/bench_memory*.json; do cp "$f" "$OUT/m512.json" 2>/dev/null || true; done
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
   *) echo "usage: $0 keep|install|kernels|step|packed|calibrate [L...]|dispatch [L...]|dispatch-pick [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m1m-layers [N]|m1m-group|m512-start|m512-wait N" >&2; exit 2 ;;
 esac

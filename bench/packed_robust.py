@@ -98,7 +98,7 @@ def applies(truth_name: str, L: int) -> bool:
 
 def candidates(pos, world, search="first"):
     """(options of the row, per option (name, Estimate)). ``search``: "first" = segment_options (the rules compare
-    on these), "deeper" = with the deeper search's too (sources = world), "auto" = dispatch.deal_options (the
+    on these), "deeper" = with the deeper search's too (always), "auto" = dispatch.deal_options (the
     deeper search only when the first one's pick is unbalanced: the library's default)."""
     L = pos.shape[-1]
     stats = D._stats(pos, None)
@@ -109,7 +109,7 @@ def candidates(pos, world, search="first"):
     else:
         options = D.segment_options(pos, L, world, None, tried, stats)
         if search == "deeper":
-            options += D.segment_options(pos, L, world, None, tried, stats, sources=world)
+            options += D.segment_options(pos, L, world, None, tried, stats, sources=min(world, D.DEEP_SOURCES))
     return options, [(f"m={o[1]} kind {o[2]}", Estimate(o[3], prefix, restarts, start, world)) for o in options]
 
 

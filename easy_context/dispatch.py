@@ -57,6 +57,8 @@ STEP_TIME = 1.44e6       # per dispatch step beyond the first (0.136 ms)
 # predicted within BALANCE_SLACK of it (pick()): 1.02 leaves room for the model's error under the 1.05 of issue #28
 BALANCE_SLACK = 0.02
 BALANCE_TARGET = 1.02
+DEEP_SOURCES = 8  # the deeper boundary search tries the 8 slowest ranks at most: at W = 32 all of them took twice
+                  # as long to plan (1M rows: 8 s vs 4.6 s on 2 CPU cores) for no better deal
 
 
 def rank_ms(work, pieces, steps, tokens: int, dense, varlen, ring: bool = False) -> list[float]:
@@ -409,17 +411,19 @@ def _pick_segments(positions, length, world, window, tried, stats, solver):
 
 def deal_options(positions, length, world, window, tried, stats, solver="auto"):
     """``segment_options``; for the balance-rule solvers ("auto", "segments"), when the deal ``pick`` keeps of them
-    is predicted over BALANCE_TARGET, also the deeper search's (``sources=world``: moves off any rank, the next
-    slowest when the slowest has none). Why only then: on the 128K rows of bench_packed (seeds 0-7, W = 8) priced
-    under the model re-fitted on each H200 run, always searching deeper gives 3.7% faster slowest ranks on average
-    but fewer balanced picks (21 of 40 (row, fit) cases <= 1.05 max/mean, from 27): its deals have fewer, larger
-    pieces, whose balance depends more on the per-piece constants, the least stable ones from run to run. Searching
-    deeper only for rows left unbalanced gives 2.7% and 30 of 40 (bench/packed_robust.py --deep, 2026-12-05); the
-    rows the first search balances keep their deal, and their planning time (~0.2 s at 128K, ~0.4 s deeper)."""
+    is predicted over BALANCE_TARGET, also the deeper search's (``sources``: moves off the next slowest rank when
+    the slowest has none, up to DEEP_SOURCES ranks). Why only then: on the 128K rows of bench_packed (seeds 0-7,
+    W = 8) priced under the model re-fitted on each H200 run, always searching deeper gives 3.7% faster slowest
+    ranks on average but fewer balanced picks (21 of 40 (row, fit) cases <= 1.05 max/mean, from 27): its deals have
+    fewer, larger pieces, whose balance depends more on the per-piece constants, the least stable ones from run to
+    run. Searching deeper only for rows left unbalanced gives 2.7% and 30 of 40 (bench/packed_robust.py --deep,
+    2026-12-05); the rows the first search balances keep their deal and their planning time (0.06-0.2 s at 128K
+    on 2 CPU cores; 0.3-0.8 s with the deeper search)."""
     options = segment_options(positions, length, world, window, tried, stats, solver)
     tokens = length // world
     if solver in ("auto", "segments") and world > 2 and balance(pick(options, tokens), tokens) > BALANCE_TARGET:
-        options += segment_options(positions, length, world, window, tried, stats, solver, sources=world)
+        options += segment_options(positions, length, world, window, tried, stats, solver,
+                                   sources=min(world, DEEP_SOURCES))
     return options
 
 

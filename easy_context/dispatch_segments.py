@@ -139,9 +139,9 @@ def _options(segs, prefix, tile, who, give: bool):
 
 
 def _moves(segs, prefix, load, tile, three: bool, piece: float, a: int):
-    """Candidate cycles off rank a (the slowest, or the next when it has none), best first by the largest resulting load of the ranks they touch
-    (work change only, less ``piece`` when a segment empties): per (give, take) edge pair the best d and the
-    largest d (which empties a segment). [(d, ((boundary, sign), ...))]."""
+    """Candidate cycles off rank a (the slowest, or the next when it has none), best first by the largest resulting
+    load of the ranks they touch (work change only, less ``piece`` when a segment empties): per (give, take) edge
+    pair the best d and the largest d (which empties a segment). [(d, ((boundary, sign), ...))]."""
     la = load[a]
     gives = _options(segs, prefix, tile, a, True)
     takes = _options(segs, prefix, tile, a, False)

@@ -320,17 +320,32 @@ def test_dispatch_models_4_ranks():
     run_ranks(dispatch_body, world_size=4, timeout=500)
 
 
-@pytest.mark.parametrize("window", [None, 24])
-def test_dispatched_attention_w8_in_process_matches_reference_and_moves_only_needed_kv(window):
+def _deeper_deal(pos, world, window):
+    """The fastest deal of the deeper boundary search (unequal chunks), whatever pick would keep."""
+    from easy_context import dispatch as D
+    from easy_context.dispatch_segments import to_table
+    length = pos.shape[-1]
+    stats = D._stats(pos, window)
+    tried = D.equal_deals(pos, length, world, window, None, stats)
+    best = min(D.segment_options(pos, length, world, window, tried, stats, sources=world), key=lambda o: o[:3])
+    cuts, owners = to_table(best[3], world)
+    return Dispatch(length, owners, cuts=cuts)
+
+
+@pytest.mark.parametrize("window,deal", [(None, "equal"), (24, "equal"), (None, "deeper"), (24, "deeper")])
+def test_dispatched_attention_w8_in_process_matches_reference_and_moves_only_needed_kv(window, deal):
     """W=8 simulated ranks (threads, tests/sim_comm.py): dispatch_forward/backward of every rank vs float64
-    per-document attention on the whole row (out, lse, dq, dk, dv), and the kv rows sent are exactly the plan's."""
+    per-document attention on the whole row (out, lse, dq, dk, dv), and the kv rows sent are exactly the plan's;
+    for equal chunks (4 a rank) and for the deeper boundary search's unequal ones."""
     from easy_context import kernels
     from easy_context.dispatch_ring import dispatch_backward, dispatch_forward
     from tests.sim_comm import run_simulated
     lengths = [1, 130, 3, 40, 200, 1, 9, 128, 0]
     lengths = [n for n in lengths if n] + [512 - sum(lengths)]
     pos = _positions(lengths)
-    d = plan_dispatch(pos, 8, per_rank=4, window=window)
+    d = plan_dispatch(pos, 8, per_rank=4, window=window) if deal == "equal" else _deeper_deal(pos, 8, window)
+    if deal == "deeper":  # boundaries moved off the equal chunks
+        assert len(set(b - a for a, b in zip(d.cuts, d.cuts[1:]))) > 1, d.cuts
     docs = packing.documents(pos, window=window)
     docs.dispatch = d
     g = torch.Generator().manual_seed(2)
