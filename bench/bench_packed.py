@@ -6,11 +6,12 @@ row as one causal stream, and the load balance across ranks (simulated ring on o
     python bench/bench_packed.py --check        # CPU: the simulation's code path at a tiny size (smoke test)
     python bench/bench_packed.py --per-rank 4 8 # also time the old solver's deals of 4 and 8 chunks per rank
                                                 # (always: the old solver's pick and the new default pick)
+    python bench/bench_packed.py --seeds 0 2 3 5  # more rows (seeds of the document lengths; default 0)
 
 Rows are filled with documents whose lengths are drawn from a log-normal distribution (median 1500 tokens,
 sigma 1.5: mean ~4.6K, a long tail of 30K+ documents; clipped to [16, L]; the last document is cut at the row
-end), seed fixed. Each rank's work is exactly what ``zigzag_ring_forward``/``backward`` run: per ring step the
-facade call on (its q rows, the visiting kv rows) with the packed documents — pieces the mask removes cost
+end), seed 0 unless ``--seeds``. Each rank's work is exactly what ``zigzag_ring_forward``/``backward`` run: per
+ring step the facade call on (its q rows, the visiting kv rows) with the packed documents — pieces the mask removes cost
 nothing, diagonal runs of documents go to one varlen launch (FA4) — plus the fp32 LSE merges. Reported:
 Σ rank time (packed) / Σ rank time (the same row as one causal stream), max/mean rank time, and the packed
 output's error against per-document attention on the full row.
@@ -133,12 +134,13 @@ def dispatch_blocks(rank, plan):
 def dispatch_layout(lens, L, world, per_rank=None):
     """(Dispatch, DispatchPlan) of the row of documents ``lens``. ``per_rank``: m equal chunks a rank (the old
     solver), "old" = the old solver's pick (equal chunks), "prev" = the first segment solver's pick (boundaries moved
-    by work alone), "new" or None = plan_dispatch's default pick (by predicted rank time)."""
+    by work alone), "new" or None = plan_dispatch's default pick (by predicted rank time), "first" / "fastest" = its
+    solvers of those names (without the deeper search / the balance rule either)."""
     pos = positions(lens)
     if per_rank in ("new", None):
         d = plan_dispatch(pos, world)
-    elif per_rank == "fastest":
-        d = plan_dispatch(pos, world, solver="fastest")
+    elif per_rank in ("fastest", "first"):
+        d = plan_dispatch(pos, world, solver=per_rank)
     elif per_rank in ("old", "prev"):
         d = plan_dispatch(pos, world, solver="chunks" if per_rank == "old" else "work")
     else:
@@ -149,8 +151,8 @@ def dispatch_layout(lens, L, world, per_rank=None):
 
 
 def _dispatch_name(d, world, m):
-    if m in ("new", None, "prev", "fastest"):
-        kind = {"prev": "work-balanced", "fastest": "fastest-predicted"}.get(m, "time-balanced")
+    if m in ("new", None, "prev", "fastest", "first"):
+        kind = {"prev": "work-balanced", "fastest": "fastest-predicted", "first": "first-search"}.get(m, "time-balanced")
         return f"dispatch {d.chunks} chunks, {kind} pick (<= {d.per_rank} a rank)"
     return f"dispatch {d.chunks} chunks, m={d.per_rank}" + (" (old pick)" if m == "old" else "")
 
@@ -176,15 +178,15 @@ def ring_kv_mb(L, world, heads, dim):
     return kv_mb((world - 1) * n, heads, dim, world * n, dkv_bytes=4)
 
 
-def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), heads=32, dim=128):
+def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), heads=32, dim=128, seeds=(0,)):
     """One row per (length, layout): plain zigzag and the k-pair layout the ring uses for packed rows (or the k
     values of ``pairs``), then the dispatch deals of ``per_rank`` (see ``dispatch_layout``), with the fitted time
     model's slowest-rank ms and max/mean of the predicted rank times (``pred_ms``, ``pred_mm``; ``pred_ms_before``:
     the dispatch as it was first measured), the ratio to the default k-pair layout (``pred_vs_default``) and the
-    per-rank counts (``ranks``)."""
+    per-rank counts (``ranks``). ``seeds``: of the rows' document lengths, one set of rows each."""
     rows = []
-    for L in lengths_L:
-        lens = doc_lengths(L, median, sigma)
+    for L, seed in ((L, seed) for L in lengths_L for seed in seeds):
+        lens = doc_lengths(L, median, sigma, seed)
         docs = packing.documents(positions(lens))
         dense = sum(score_elements(rank_blocks(r, world, L, None), L, world)[0] for r in range(world))
         ks = sorted(set(pairs or (1, zigzag_pairs(L, world))))
@@ -194,7 +196,7 @@ def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), h
             work = [c["causal"] + c["rect"] for c in ranks]
             ms = predicted_ms(ranks)
             rng = lambda key: f"{min(c[key] for c in ranks)}..{max(c[key] for c in ranks)}"  # noqa: E731
-            return dict(L=L, W=world, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}",
+            return dict(L=L, W=world, seed=seed, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}",
                         max_doc=max(lens), work_vs_stream=f"{sum(work) / dense:.3f}",
                         max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
                         rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
@@ -351,7 +353,7 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
     def row(layout, t, err, launches, mb, ranks=None, rounds_mm=()):
         if ranks is not None:  # per-rank counts and measured ms: the points bench/packed_fit.py re-fits the model on
             ranks = [dict(c, ms=round(ms, 3)) for c, ms in zip(ranks, t)]
-        return dict(ranks=ranks, rank_ms=" ".join(f"{x:.1f}" for x in t), L=L, W=world, layout=layout,
+        return dict(ranks=ranks, rank_ms=" ".join(f"{x:.1f}" for x in t), L=L, W=world, seed=seed, layout=layout,
                     docs=len(lens), mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
                     packed_ms=f"{sum(t):.0f}", slowest_rank_ms=f"{max(t):.1f}", stream_ms=f"{sum(stream):.0f}",
                     speedup=f"{sum(stream) / sum(t):.2f}x", wall_speedup=f"{max(stream) / max(t):.2f}x",
@@ -389,6 +391,9 @@ def main():
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="rows: the document lengths of each seed (0: the row of docs/packed_dispatch.md's tables; 2, "
+                         "3, 5: rows the first boundary search leaves unbalanced at 128K)")
     ap.add_argument("--median", type=float, default=1500)
     ap.add_argument("--sigma", type=float, default=1.5)
     ap.add_argument("--iters", type=int, default=2)
@@ -418,17 +423,17 @@ def main():
         return
     if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
         for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4),
-                          per_rank=("old", "prev", "fastest", "new", 8), rounds=2):
+                          per_rank=("old", "prev", "fastest", "new", "first", 8), rounds=2):
             print({k: v for k, v in r.items() if k != "ranks"})
             assert float(r["err"]) < 1e-5, r
         return
-    per_rank = ["old", "prev", "fastest", "new"] + [m for m in (args.per_rank or []) if m is not None]
+    per_rank = ["old", "prev", "fastest", "new", "first"] + [m for m in (args.per_rank or []) if m is not None]
     counts = count_only(args.lengths, args.world, args.median, args.sigma, args.pairs, per_rank, args.heads,
-                        args.head_dim)
+                        args.head_dim, args.seeds)
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "
           f"sigma {args.sigma:g})\n")
-    print(table(counts, ["L", "W", "layout", "docs", "max_doc", "work_vs_stream", "max_over_mean", "rank_Melems",
-                         "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_mm", "pred_ms_before",
+    print(table(counts, ["L", "W", "seed", "layout", "docs", "max_doc", "work_vs_stream", "max_over_mean",
+                         "rank_Melems", "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_mm", "pred_ms_before",
                          "pred_vs_default"]))
     print("\npred_ms: dispatch.py's time model fitted to the H200 timings (FA4, fwd+bwd, 32 heads x 128) from exact "
           "per-rank counts; pred_mm: max/mean of the predicted rank times;\npred_ms_before: the same with the "
@@ -443,18 +448,18 @@ def main():
     print(env_line(), "| backend:", kernels.choose_backend(torch.empty(1, 1, 1, 128, device="cuda",
                                                                        dtype=torch.bfloat16)), flush=True)
     rows = []
-    for L in args.lengths:
+    for L, seed in ((L, seed) for L in args.lengths for seed in args.seeds):
         new = simulate(L, args.world, args.heads, args.head_dim, args.median, args.sigma, args.iters, pairs=args.pairs,
-                       per_rank=per_rank, rounds=args.rounds)
+                       per_rank=per_rank, rounds=args.rounds, seed=seed)
         rows += new
         print(*({k: v for k, v in r.items() if k != "ranks"} for r in new), sep="\n", flush=True)
         torch.cuda.empty_cache()
     print("\n## Simulated ring, packed documents (zigzag, k pairs, dispatch) vs one causal stream (fwd+bwd, bf16)\n")
-    print(table(rows, ["L", "W", "layout", "docs", "mean_doc", "max_doc", "packed_ms", "slowest_rank_ms", "stream_ms",
-                       "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "vs_default", "fa4_launches",
+    print(table(rows, ["L", "W", "seed", "layout", "docs", "mean_doc", "max_doc", "packed_ms", "slowest_rank_ms",
+                       "stream_ms", "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "vs_default", "fa4_launches",
                        "kv_MB", "err"]))
     print("\n## Measured ms per rank (fwd+bwd; the points `--fit` re-fits the time model on)\n")
-    print(table(rows, ["L", "layout", "rank_ms", "rounds_max_over_mean"]))
+    print(table(rows, ["L", "seed", "layout", "rank_ms", "rounds_max_over_mean"]))
     if os.environ.get("OUT"):
         name = f"bench_packed_rects{args.rect_varlen}.json" if args.rect_varlen else "bench_packed.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:

@@ -12,8 +12,9 @@
 #   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: dispatch (old solver pick, fastest-predicted pick, the default
 #                                    # pick with dispatch.pick's balance rule, old m=2,4,8) vs zigzag and the k-pair
 #                                    # default, same rows/seed; default L = 131072 524288
-#   bash bench/h200_fa4.sh dispatch-pick [L...]  # bench_packed's picks only (fastest-predicted vs the default with the
-#                                    # balance rule, dispatch.pick) and the default ring layout, ROUNDS=5; L = 131072
+#   bash bench/h200_fa4.sh dispatch-pick [L...]  # bench_packed's picks (fastest-predicted, first-search, the default:
+#                                    # balance rule + deeper search) and the default ring layout, ROUNDS=5; L = 131072;
+#                                    # rows SEEDS="0 2 3 5" (2, 3, 5: where the deeper search changes the pick)
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
 #   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4
 #   bash bench/h200_fa4.sh lora      # bench_lora: LoRA vs full fine-tuning, 7B shape at 128K (peak memory, tok/s)
@@ -64,8 +65,8 @@ case "${1:-}" in
       | tee "$OUT/packed_dispatch_${1:-all}.log" | tail -40 ;;
   dispatch-pick)
     shift
-    python3 bench/bench_packed.py --lengths ${@:-131072} --world 8 --rounds ${ROUNDS:-5} 2>&1 | grep -v Warn \
-      | tee "$OUT/packed_pick.log" | grep -A14 "^## Simulated" ;;
+    python3 bench/bench_packed.py --lengths ${@:-131072} --world 8 --rounds ${ROUNDS:-5} --seeds ${SEEDS:-0 2 3 5} \
+      2>&1 | grep -v Warn | tee "$OUT/packed_pick.log" | grep -A40 "^## Simulated" ;;
   calibrate)
     shift
     python3 bench/packed_calibrate.py --lengths ${@:-131072} --rounds ${ROUNDS:-3} 2>&1 | grep -v Warn \

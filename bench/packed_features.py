@@ -72,7 +72,8 @@ def layout_features(L, world, lens, layout):
             out.append(f)
         return out
     m = ("old" if "old pick" in layout else "prev" if "work-balanced" in layout else "fastest" if "fastest" in layout
-         else "new" if "time-balanced" in layout else int(layout.split("m=")[1]))
+         else "first" if "first-search" in layout else "new" if "time-balanced" in layout
+         else int(layout.split("m=")[1]))
     d, plan = B.dispatch_layout(lens, L, world, m)
     if m == "new" and d.chunks != int(layout.split()[1]):  # runs before 2026-12-05's balance rule: the fastest pick
         d, plan = B.dispatch_layout(lens, L, world, "fastest")
@@ -117,7 +118,8 @@ def main(paths):
     pts, cache = [], {}
     for row in rows:
         L, W = row["L"], row["W"]
-        lens = cache.setdefault(L, B.doc_lengths(L, 1500, 1.5))
+        seed = row.get("seed", 0)  # runs before --seeds: seed 0
+        lens = cache.setdefault((L, seed), B.doc_lengths(L, 1500, 1.5, seed))
         feats = layout_features(L, W, lens, row["layout"])
         for i, (f, c) in enumerate(zip(feats, row["ranks"])):
             got, want = (f["causal"] + f["rect"], f["pieces"], f["steps"]), (c["causal"] + c["rect"], c["pieces"],

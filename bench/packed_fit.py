@@ -88,7 +88,7 @@ def _with_kinds(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r.get("ranks") and "dense" not in r["ranks"][0]:
             from bench.bench_packed import doc_lengths
-            feats = layout_features(r["L"], r["W"], doc_lengths(r["L"], 1500, 1.5), r["layout"])
+            feats = layout_features(r["L"], r["W"], doc_lengths(r["L"], 1500, 1.5, r.get("seed", 0)), r["layout"])
             for c, f in zip(r["ranks"], feats):
                 c.update(dense=f["dense"], varlen=f["varlen"])
     return rows

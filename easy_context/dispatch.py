@@ -319,7 +319,7 @@ def estimate(positions: torch.Tensor, cuts, owners, window: int | None = None, s
     return Estimate(segments(cuts, owners), prefix, restarts, start, len(owners), window)
 
 
-SOLVERS = ("auto", "fastest", "chunks", "segments", "work")
+SOLVERS = ("auto", "first", "fastest", "chunks", "segments", "work")
 
 
 def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None,
@@ -329,9 +329,11 @@ def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None
     candidate with the lowest predicted slowest-rank cost. ``solver``: "chunks" = equal chunks, m per rank (work +
     PIECE_COST per piece); "segments" = those deals with their boundaries moved (dispatch_segments.py) to balance
     the predicted rank time (work + pieces + ring steps, MS_PER_ELEM ...); "auto" (the default) = the fastest
-    predicted of these and the equal deals as they are, or a better balanced one within BALANCE_SLACK of it (``pick``);
-    "fastest" = the same without the balance rule (the default before 2026-12-05); "work" = the first default (equal
-    deals as they are or with boundaries moved by work alone), kept to compare with."""
+    predicted of these and the equal deals as they are, or a better balanced one within BALANCE_SLACK of it (``pick``),
+    with a deeper boundary search for rows that leaves unbalanced (``deal_options``); "first" = "auto" without the
+    deeper search (the default of the 2026-12-05 third session); "fastest" = without the balance rule either (the
+    default before); "work" = the first default (equal deals as they are or with boundaries moved by work alone),
+    kept to compare with."""
     if solver not in SOLVERS:
         raise ValueError(f"plan_dispatch(solver={solver!r}): must be one of {SOLVERS}")
     from .sharding import packed_rows
@@ -405,12 +407,12 @@ def _pick_segments(positions, length, world, window, tried, stats, solver):
     from .dispatch_segments import to_table
     tokens = length // world
     options = deal_options(positions, length, world, window, tried, stats, solver)
-    best = pick(options, tokens, BALANCE_SLACK if solver in ("auto", "segments") else 0.0)
+    best = pick(options, tokens, BALANCE_SLACK if solver in ("auto", "first", "segments") else 0.0)
     return to_table(best[3], world)
 
 
 def deal_options(positions, length, world, window, tried, stats, solver="auto"):
-    """``segment_options``; for the balance-rule solvers ("auto", "segments"), when the deal ``pick`` keeps of them
+    """``segment_options``; for "auto" and "segments" (not "first"), when the deal ``pick`` keeps of them
     is predicted over BALANCE_TARGET, also the deeper search's (``sources``: moves off the next slowest rank when
     the slowest has none, up to DEEP_SOURCES ranks). Why only then: on the 128K rows of bench_packed (seeds 0-7,
     W = 8) priced under the model re-fitted on each H200 run, always searching deeper gives 3.7% faster slowest
@@ -474,7 +476,7 @@ def segment_options(positions, length, world, window, tried, stats, solver="auto
     options = []
     for m, (t, cuts, owners) in sorted(per_m.items()):
         segs = segments(cuts, owners)
-        if solver in ("auto", "fastest", "work") and not deep:
+        if solver in ("auto", "first", "fastest", "work") and not deep:
             options.append(_option(times(segs), m, 0, segs))
         by_work = refine(segs, prefix, world, tile, sources=sources)
         options.append(_option(times(by_work), m, 1 + deep, by_work))
