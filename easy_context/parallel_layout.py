@@ -43,6 +43,10 @@ class ParallelLayout:
     ring_group: object = None
     ulysses_group: object = None
     _all_groups: dict = field(default_factory=dict, repr=False)
+    # packed rows: the sliding window of every attention layer of the model (hf.config.attention_window), so that the
+    # dispatch's cost model caps each token's keys by it; None: full causal costs. Set before the first batch: the
+    # planner (training/plan_ahead.py) and prepare_inputs take it from layout_kw, so every rank plans alike
+    dispatch_window: int | None = None
 
     def __post_init__(self):
         self.mode = get_mode(self.mode)
@@ -129,8 +133,12 @@ class ParallelLayout:
 
     @property
     def layout_kw(self) -> dict:
-        """Extra kwargs of the mode's cut besides the sp size (``ring_degree`` for usp_attn)."""
-        return self.mode.layout_kw(ring_degree=self.ring)
+        """Extra kwargs of the mode's cut besides the sp size (``ring_degree`` for usp_attn; ``window``, the
+        dispatch's cost window, when ``dispatch_window`` is set and the mode dispatches packed rows)."""
+        kw = self.mode.layout_kw(ring_degree=self.ring)
+        if self.dispatch_window is not None and self.mode.dispatches:
+            kw["window"] = int(self.dispatch_window)
+        return kw
 
     @property
     def seq_multiple(self) -> int:

@@ -150,3 +150,44 @@ def test_trainer_windows_get_the_next_windows_tables_from_the_helper(monkeypatch
         assert getattr(shard["position_ids"], DISPATCH_ATTR, None) == getattr(want["position_ids"], DISPATCH_ATTR, None)
     # the first window is planned in prepare_inputs; the packed rows of the later ones by the helper
     assert planned[:2] == [False, False] and planned[2] and planned[4], planned
+
+
+def test_the_models_window_reaches_the_helpers_planner_and_the_cut_alike():
+    """A model whose every attention layer is windowed (hf.config.attention_window): train.py's layout
+    (training/parallel.build_layout(..., config)) carries the window, the helper plans with it, and
+    prepare_inputs cuts by the same table. Long documents then deal by their windowed cost, not their causal square:
+    another table than the window-blind one. Models mixing global and local layers, or without a window: None."""
+    import transformers as tf
+
+    from easy_context.hf.config import attention_window
+    from easy_context.parallel_layout import ParallelLayout
+    from easy_context.training.parallel import build_layout
+    small = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                 intermediate_size=64, vocab_size=64)
+    assert attention_window(tf.MistralConfig(sliding_window=256, **small)) == 256
+    assert attention_window(tf.MistralConfig(sliding_window=None, **small)) is None
+    assert attention_window(tf.Qwen2Config(use_sliding_window=False, sliding_window=256, **small)) is None
+    assert attention_window(tf.Qwen2Config(use_sliding_window=True, sliding_window=256, max_window_layers=0,
+                                           **small)) == 256
+    gemma = dict(small, num_hidden_layers=6, head_dim=16, sliding_window=256)  # 5 local layers, then a global one
+    assert attention_window(tf.Gemma3TextConfig(**gemma)) is None
+    assert build_layout(MODE.name, None, None, 2048, tf.MistralConfig(sliding_window=256, **small)).dispatch_window \
+        == 256
+    assert build_layout(MODE.name, None, None, 2048).dispatch_window is None
+
+    layout = ParallelLayout(MODE, 4, 0, 1, 4, 4, 1, dispatch_window=256)
+    assert layout.layout_kw == {"window": 256}
+    rows = [_row([1500, 100, 300, 149]), _row([100, 1200, 749], 1)]  # documents far past the window
+    loader = _Loader(rows)
+    batches = PlannedBatches(iter(loader), loader, layout, 1)
+    try:
+        got = list(batches)
+    finally:
+        batches.close()
+    assert batches.planned_here == 1  # the second table came from the helper
+    for inp, pos, _, table in got:
+        assert table == plan_table(MODE.name, 4, {"window": 256}, pos) != plan_table(MODE.name, 4, {}, pos)
+        for rank in range(4):
+            layout.rank = rank
+            here = layout.prepare_inputs(inp, pos, None, "cpu")
+            assert getattr(here["local_position_ids"], DISPATCH_ATTR) == table

@@ -1,4 +1,5 @@
-"""Model config facts shared by training and evaluation: where a config keeps its RoPE theta."""
+"""Model config facts shared by training and evaluation: where a config keeps its RoPE theta, and the sliding window
+every attention layer shares."""
 from __future__ import annotations
 
 
@@ -18,4 +19,19 @@ def get_rope_theta(config) -> float:
     return float(config.rope_theta)
 
 
-__all__ = ["set_rope_theta", "get_rope_theta"]
+def attention_window(config) -> int | None:
+    """The sliding window of *every* attention layer (Mistral v0.1, a Qwen2 with sliding layers only), or None when
+    some layer attends to the whole document (Gemma 2 / 3's global layers, no window at all). What the packed-row
+    dispatch may cap each token's cost by (``ParallelLayout.dispatch_window``): a local layer's keys stop at the
+    window, so long documents cost far less than their full causal square. Models mixing local and global layers are
+    planned for their global ones (None): those hold the quadratic part of the cost."""
+    w = getattr(config, "sliding_window", None)
+    if not w or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and types and any(t != "sliding_attention" for t in types):
+        return None
+    return int(w)
+
+
+__all__ = ["set_rope_theta", "get_rope_theta", "attention_window"]

@@ -195,6 +195,7 @@ def _sp_class(cls):
 def _setup(trainer, opts: SeqParallelOptions) -> None:
     """Validate (local facts, no collective), build the layout (collective), patch the model, set the memory options."""
     from .. import apply_seq_parallel_monkey_patch
+    from ..hf.config import attention_window
     from ..memory import configure_memory
     from ..parallel_layout import ParallelLayout, plan_degrees
     from ..training.modeling import check_rope_for_sp
@@ -227,6 +228,7 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
         if handler is not None:
             handler.find_unused_parameters = False
     layout = ParallelLayout.build(opts.mode, sp_size=opts.sp_size, ring_degree=opts.ring_degree)  # collective
+    layout.dispatch_window = attention_window(config)  # packed rows: dispatch costs capped by the model's window
     if layout.mode.is_parallel:
         apply_seq_parallel_monkey_patch(base, layout)
     if opts.checkpointing is not None or opts.tiled_mlp or opts.head_chunks > 1:

@@ -13,9 +13,11 @@ from ..loss import head_as_loss, token_nll_sum
 from .errors import UsageError
 
 
-def build_layout(mode, sp_size: int | None, ring_degree: int | None, seq_length: int):
+def build_layout(mode, sp_size: int | None, ring_degree: int | None, seq_length: int, config=None):
     """Process groups for ``mode`` (a Mode or --parallel_mode's name; collective on every rank); bad degrees /
-    lengths -> UsageError."""
+    lengths -> UsageError. ``config``: the model's; packed rows are then dealt with each token's cost capped by the
+    window every attention layer shares, if there is one (``hf.config.attention_window``)."""
+    from easy_context.hf.config import attention_window
     from easy_context.parallel_layout import ParallelLayout
 
     try:
@@ -23,6 +25,7 @@ def build_layout(mode, sp_size: int | None, ring_degree: int | None, seq_length:
         layout.check_seq_len(seq_length)
     except ValueError as e:
         raise UsageError(str(e).replace("sequence length", "--seq-length")) from None
+    layout.dispatch_window = None if config is None else attention_window(config)
     return layout
 
 
