@@ -7,6 +7,7 @@ row as one causal stream, and the load balance across ranks (simulated ring on o
     python bench/bench_packed.py --per-rank 4 8 # also time the old solver's deals of 4 and 8 chunks per rank
                                                 # (always: the old solver's pick and the new default pick)
     python bench/bench_packed.py --seeds 0 2 3 5  # more rows (seeds of the document lengths; default 0)
+    python bench/bench_packed.py --window 4096  # every layer windowed: picks planned with / without the window
 
 Rows are filled with documents whose lengths are drawn from a log-normal distribution (median 1500 tokens,
 sigma 1.5: mean ~4.6K, a long tail of 30K+ documents; clipped to [16, L]; the last document is cut at the row
@@ -85,13 +86,25 @@ def rank_counts(blocks, L, world) -> dict:
             out["dense"] += 1
         else:
             for pq, pk, pc in bd.pieces():
-                n = (pq.stop - pq.start) * (pk.stop - pk.start)
-                out["causal" if pc else "rect"] += n // 2 if pc else n
+                if isinstance(pc, packing.Window):  # a sliding-window piece: the keys its rows keep
+                    n = window_elements(pc, pq.stop - pq.start, pk.stop - pk.start)
+                    out["causal" if pc.causal else "rect"] += n
+                else:
+                    n = (pq.stop - pq.start) * (pk.stop - pk.start)
+                    out["causal" if pc else "rect"] += n // 2 if pc else n
                 out["pieces"] += 1
             for kind, _ in kernels._group("fa4", bd.pieces()):
                 out["launches"] += 1
                 out["dense" if kind == "dense" else "varlen"] += 1  # diagonal runs and rectangles: varlen calls
     return out
+
+
+def window_elements(win, n: int, m: int) -> int:
+    """Kept (q, k) pairs of a ``packing.Window`` piece of n q rows and m keys (``packing.piece_mask``'s count)."""
+    a = torch.arange(n)
+    lo = (a + win.d - win.w + 1).clamp(min=0)
+    hi = (a + win.d).clamp(max=m - 1) if win.causal else torch.full_like(a, m - 1)
+    return int((hi - lo + 1).clamp(min=0).sum())
 
 
 def score_elements(blocks, L, world) -> tuple[int, int, int]:
@@ -131,28 +144,33 @@ def dispatch_blocks(rank, plan):
     return out
 
 
-def dispatch_layout(lens, L, world, per_rank=None):
+def dispatch_layout(lens, L, world, per_rank=None, window=None):
     """(Dispatch, DispatchPlan) of the row of documents ``lens``. ``per_rank``: m equal chunks a rank (the old
     solver), "old" = the old solver's pick (equal chunks), "prev" = the first segment solver's pick (boundaries moved
     by work alone), "new" or None = plan_dispatch's default pick (by predicted rank time), "first" / "fastest" = its
-    solvers of those names (without the deeper search / the balance rule either)."""
+    solvers of those names (without the deeper search / the balance rule either). ``window``: every layer's sliding
+    window (the attention's documents are windowed; the picks are planned with it, "blind" = the default pick planned
+    without it, as train.py did before ParallelLayout.dispatch_window)."""
     pos = positions(lens)
-    if per_rank in ("new", None):
+    if per_rank == "blind":
         d = plan_dispatch(pos, world)
+    elif per_rank in ("new", None):
+        d = plan_dispatch(pos, world, window)
     elif per_rank in ("fastest", "first"):
-        d = plan_dispatch(pos, world, solver=per_rank)
+        d = plan_dispatch(pos, world, window, solver=per_rank)
     elif per_rank in ("old", "prev"):
-        d = plan_dispatch(pos, world, solver="chunks" if per_rank == "old" else "work")
+        d = plan_dispatch(pos, world, window, solver="chunks" if per_rank == "old" else "work")
     else:
-        d = plan_dispatch(pos, world, per_rank=per_rank, solver="chunks")
-    docs = packing.documents(pos)
+        d = plan_dispatch(pos, world, window, per_rank=per_rank, solver="chunks")
+    docs = packing.documents(pos, window=window)
     docs.dispatch = d
     return d, DispatchPlan(docs, d)
 
 
 def _dispatch_name(d, world, m):
-    if m in ("new", None, "prev", "fastest", "first"):
-        kind = {"prev": "work-balanced", "fastest": "fastest-predicted", "first": "first-search"}.get(m, "time-balanced")
+    if m in ("new", None, "prev", "fastest", "first", "blind"):
+        kind = {"prev": "work-balanced", "fastest": "fastest-predicted", "first": "first-search",
+                "blind": "window-blind"}.get(m, "time-balanced")
         return f"dispatch {d.chunks} chunks, {kind} pick (<= {d.per_rank} a rank)"
     return f"dispatch {d.chunks} chunks, m={d.per_rank}" + (" (old pick)" if m == "old" else "")
 
@@ -178,16 +196,18 @@ def ring_kv_mb(L, world, heads, dim):
     return kv_mb((world - 1) * n, heads, dim, world * n, dkv_bytes=4)
 
 
-def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), heads=32, dim=128, seeds=(0,)):
+def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), heads=32, dim=128, seeds=(0,),
+               window=None):
     """One row per (length, layout): plain zigzag and the k-pair layout the ring uses for packed rows (or the k
     values of ``pairs``), then the dispatch deals of ``per_rank`` (see ``dispatch_layout``), with the fitted time
     model's slowest-rank ms and max/mean of the predicted rank times (``pred_ms``, ``pred_mm``; ``pred_ms_before``:
     the dispatch as it was first measured), the ratio to the default k-pair layout (``pred_vs_default``) and the
-    per-rank counts (``ranks``). ``seeds``: of the rows' document lengths, one set of rows each."""
+    per-rank counts (``ranks``). ``seeds``: of the rows' document lengths, one set of rows each. ``window``: every
+    layer's sliding window (see ``dispatch_layout``)."""
     rows = []
     for L, seed in ((L, seed) for L in lengths_L for seed in seeds):
         lens = doc_lengths(L, median, sigma, seed)
-        docs = packing.documents(positions(lens))
+        docs = packing.documents(positions(lens), window=window)
         dense = sum(score_elements(rank_blocks(r, world, L, None), L, world)[0] for r in range(world))
         ks = sorted(set(pairs or (1, zigzag_pairs(L, world))))
         here = []
@@ -196,7 +216,8 @@ def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), h
             work = [c["causal"] + c["rect"] for c in ranks]
             ms = predicted_ms(ranks)
             rng = lambda key: f"{min(c[key] for c in ranks)}..{max(c[key] for c in ranks)}"  # noqa: E731
-            return dict(L=L, W=world, seed=seed, layout=layout, docs=len(lens), mean_doc=f"{L / len(lens):.0f}",
+            return dict(L=L, W=world, seed=seed, window=window, layout=layout, docs=len(lens),
+                        mean_doc=f"{L / len(lens):.0f}",
                         max_doc=max(lens), work_vs_stream=f"{sum(work) / dense:.3f}",
                         max_over_mean=f"{max(work) / (sum(work) / world):.3f}",
                         rank_Melems=f"{min(work) / 1e6:.0f}..{max(work) / 1e6:.0f}",
@@ -209,7 +230,7 @@ def count_only(lengths_L, world, median, sigma, pairs=None, per_rank=("new",), h
         default = here[ks.index(zigzag_pairs(L, world))]["_ms"] if zigzag_pairs(L, world) in ks else None
         seen = set()
         for m in per_rank:
-            d, plan = dispatch_layout(lens, L, world, m)
+            d, plan = dispatch_layout(lens, L, world, m, window)
             if d in seen:
                 continue
             seen.add(d)
@@ -247,13 +268,14 @@ def balance_study(lengths_L, world, median, sigma, per_rank=(1, 2, 4, 8)):
 
 
 def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=None, per_rank=(None,), rounds=1,
-             seed=0):
+             seed=0, window=None):
     """Time every rank's ring work (fwd + bwd) for the packed row in each layout of ``pairs`` (k values; default
     plain zigzag and ``zigzag_pairs(L, world)``; () for none), under the dispatch with each ``per_rank`` (None: the
     cost model's pick; () for none), and for the same row as one causal stream: one row per layout. ``rounds``: see
-    timed(). ``seed``: of the document lengths (0: the rows of every table in docs/packed_dispatch.md)."""
+    timed(). ``seed``: of the document lengths (0: the rows of every table in docs/packed_dispatch.md). ``window``:
+    every layer's sliding window (documents windowed; the stream stays one plain causal stream)."""
     lens = doc_lengths(L, median, sigma, seed)
-    docs = packing.documents(positions(lens))
+    docs = packing.documents(positions(lens), window=window)
     ks = sorted(set(pairs if pairs is not None else (1, zigzag_pairs(L, world))))
     torch.manual_seed(0)
     dt = torch.bfloat16 if device == "cuda" else torch.float32
@@ -353,7 +375,8 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
     def row(layout, t, err, launches, mb, ranks=None, rounds_mm=()):
         if ranks is not None:  # per-rank counts and measured ms: the points bench/packed_fit.py re-fits the model on
             ranks = [dict(c, ms=round(ms, 3)) for c, ms in zip(ranks, t)]
-        return dict(ranks=ranks, rank_ms=" ".join(f"{x:.1f}" for x in t), L=L, W=world, seed=seed, layout=layout,
+        return dict(ranks=ranks, rank_ms=" ".join(f"{x:.1f}" for x in t), L=L, W=world, seed=seed, window=window,
+                    layout=layout,
                     docs=len(lens), mean_doc=f"{L / len(lens):.0f}", max_doc=max(lens),
                     packed_ms=f"{sum(t):.0f}", slowest_rank_ms=f"{max(t):.1f}", stream_ms=f"{sum(stream):.0f}",
                     speedup=f"{sum(stream) / sum(t):.2f}x", wall_speedup=f"{max(stream) / max(t):.2f}x",
@@ -370,7 +393,7 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
                         layout_counts(L, world, docs, kk), rmm))
     seen = set()
     for m in per_rank:
-        d, plan = dispatch_layout(lens, L, world, m)
+        d, plan = dispatch_layout(lens, L, world, m, window)
         if d in seen:  # an explicit m equal to a pick: timed once
             continue
         seen.add(d)
@@ -394,6 +417,9 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="+", default=[0],
                     help="rows: the document lengths of each seed (0: the row of docs/packed_dispatch.md's tables; 2, "
                          "3, 5: rows the first boundary search leaves unbalanced at 128K)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="every layer's sliding window (Mistral v0.1: 4096): documents windowed, the picks planned "
+                         "with it, plus the window-blind pick (planned without it)")
     ap.add_argument("--median", type=float, default=1500)
     ap.add_argument("--sigma", type=float, default=1.5)
     ap.add_argument("--iters", type=int, default=2)
@@ -421,15 +447,21 @@ def main():
         from bench import packed_fit
         packed_fit.main(args.fit)
         return
+    if args.window is not None and args.window < 1:
+        ap.error(f"--window {args.window}: a number of tokens >= 1")
     if args.check:  # tiny CPU smoke of the GPU path: every layout (k=4 on 4096 tokens needs 128-token chunks)
-        for r in simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4),
-                          per_rank=("old", "prev", "fastest", "new", "first", 8), rounds=2):
+        rows = simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2, 4),
+                        per_rank=("old", "prev", "fastest", "new", "first", 8), rounds=2)
+        rows += simulate(4096, 4, 4, 32, 300, 1.0, 1, device="cpu", pairs=(1, 2), per_rank=("new", "blind"),
+                         window=200)  # windowed documents (the picks planned with and without the window)
+        for r in rows:
             print({k: v for k, v in r.items() if k != "ranks"})
             assert float(r["err"]) < 1e-5, r
         return
-    per_rank = ["old", "prev", "fastest", "new", "first"] + [m for m in (args.per_rank or []) if m is not None]
+    per_rank = ["old", "prev", "fastest", "new", "first"] + (["blind"] if args.window else []) + \
+        [m for m in (args.per_rank or []) if m is not None]
     counts = count_only(args.lengths, args.world, args.median, args.sigma, args.pairs, per_rank, args.heads,
-                        args.head_dim, args.seeds)
+                        args.head_dim, args.seeds, args.window)
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "
           f"sigma {args.sigma:g})\n")
     print(table(counts, ["L", "W", "seed", "layout", "docs", "max_doc", "work_vs_stream", "max_over_mean",
@@ -450,7 +482,7 @@ def main():
     rows = []
     for L, seed in ((L, seed) for L in args.lengths for seed in args.seeds):
         new = simulate(L, args.world, args.heads, args.head_dim, args.median, args.sigma, args.iters, pairs=args.pairs,
-                       per_rank=per_rank, rounds=args.rounds, seed=seed)
+                       per_rank=per_rank, rounds=args.rounds, seed=seed, window=args.window)
         rows += new
         print(*({k: v for k, v in r.items() if k != "ranks"} for r in new), sep="\n", flush=True)
         torch.cuda.empty_cache()
@@ -461,7 +493,8 @@ def main():
     print("\n## Measured ms per rank (fwd+bwd; the points `--fit` re-fits the time model on)\n")
     print(table(rows, ["L", "seed", "layout", "rank_ms", "rounds_max_over_mean"]))
     if os.environ.get("OUT"):
-        name = f"bench_packed_rects{args.rect_varlen}.json" if args.rect_varlen else "bench_packed.json"
+        name = f"bench_packed_rects{args.rect_varlen}.json" if args.rect_varlen else \
+            f"bench_packed_window{args.window}.json" if args.window else "bench_packed.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(dict(env=env_line(), counts=counts, rows=rows, rect_varlen=args.rect_varlen), f, indent=1)
 

@@ -15,6 +15,8 @@
 #   bash bench/h200_fa4.sh dispatch-pick [L...]  # bench_packed's picks (fastest-predicted, first-search, the default:
 #                                    # balance rule + deeper search) and the default ring layout, ROUNDS=5; L = 131072;
 #                                    # rows SEEDS="0 2 3 5" (2, 3, 5: where the deeper search changes the pick)
+#   bash bench/h200_fa4.sh dispatch-window [L...]  # bench_packed --window 4096 (WINDOW=): every layer windowed; the
+#                                    # picks planned with the window vs the window-blind pick, ROUNDS=3; L = 131072
 #   bash bench/h200_fa4.sh trainpy-a # the real train.py (3B shape, 32K): bare step + ZeRO-3 offload at GA 1 and 4
 #   bash bench/h200_fa4.sh trainpy-b # same assets: all-on-GPU ZeRO-2 config at GA 1 and 4
 #   bash bench/h200_fa4.sh lora      # bench_lora: LoRA vs full fine-tuning, 7B shape at 128K (peak memory, tok/s)
@@ -67,6 +69,10 @@ case "${1:-}" in
     shift
     python3 bench/bench_packed.py --lengths ${@:-131072} --world 8 --rounds ${ROUNDS:-5} --seeds ${SEEDS:-0 2 3 5} \
       2>&1 | grep -v Warn | tee "$OUT/packed_pick.log" | grep -A40 "^## Simulated" ;;
+  dispatch-window)
+    shift  # every layer windowed (4096, Mistral v0.1): the picks planned with the window vs the window-blind pick
+    python3 bench/bench_packed.py --lengths ${@:-131072} --world 8 --rounds ${ROUNDS:-3} --window ${WINDOW:-4096} \
+      2>&1 | grep -v Warn | tee "$OUT/packed_window.log" | grep -A20 "^## Simulated" ;;
   calibrate)
     shift
     python3 bench/packed_calibrate.py --lengths ${@:-131072} --rounds ${ROUNDS:-3} 2>&1 | grep -v Warn \
@@ -140,5 +146,5 @@ case "${1:-}" in
     kill -0 "$(cat /tmp/keep/m512.pid)" 2>/dev/null && echo "still running" || echo "finished"
     cp /tmp/keep/m512.log /tmp/keep/offload_trace_*.json "$OUT/" 2>/dev/null || true; for f in /tmp/keep/bench_memory*.json; do cp "$f" "$OUT/m512.json" 2>/dev/null || true; done
     grep -v Warn /tmp/keep/m512.log | tail -14 || true ;;
-  *) echo "usage: $0 keep|install|kernels|step|packed|calibrate [L...]|dispatch [L...]|dispatch-pick [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m1m-layers [N]|m1m-group|m512-start|m512-wait N" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|install|kernels|step|packed|calibrate [L...]|dispatch [L...]|dispatch-pick [L...]|dispatch-window [L...]|dispatch-rects [L...]|trainpy-a|trainpy-b|window|mistral|hybrid|timeline|lora|heads|heads-1m|m1m-layers [N]|m1m-group|m512-start|m512-wait N" >&2; exit 2 ;;
 esac

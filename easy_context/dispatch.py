@@ -373,7 +373,7 @@ def _plan(key, length, world, window, per_rank, positions, solver="auto") -> Dis
     best = min(tried, key=lambda p: (max(p.cost), p.per_rank))
     cuts = ()
     if solver != "chunks":
-        cuts, owners = _pick_segments(positions, length, world, window, tried, stats, solver)
+        cuts, owners = _pick_segments(positions, length, world, window, tried, stats, solver, per_rank)
     else:
         owners = best.owners
     out = Dispatch(length, owners, _hash(key), cuts)
@@ -402,16 +402,16 @@ def equal_deals(positions, length, world, window, per_rank, stats) -> list[Predi
     return tried
 
 
-def _pick_segments(positions, length, world, window, tried, stats, solver):
+def _pick_segments(positions, length, world, window, tried, stats, solver, per_rank=None):
     """(cuts, owners) of the deal ``pick`` keeps of ``deal_options``."""
     from .dispatch_segments import to_table
     tokens = length // world
-    options = deal_options(positions, length, world, window, tried, stats, solver)
+    options = deal_options(positions, length, world, window, tried, stats, solver, per_rank)
     best = pick(options, tokens, BALANCE_SLACK if solver in ("auto", "first", "segments") else 0.0)
     return to_table(best[3], world)
 
 
-def deal_options(positions, length, world, window, tried, stats, solver="auto"):
+def deal_options(positions, length, world, window, tried, stats, solver="auto", per_rank=None):
     """``segment_options``; for "auto" and "segments" (not "first"), when the deal ``pick`` keeps of them
     is predicted over BALANCE_TARGET, also the deeper search's (``sources``: moves off the next slowest rank when
     the slowest has none, up to DEEP_SOURCES ranks). Why only then: on the 128K rows of bench_packed (seeds 0-7,
@@ -420,13 +420,33 @@ def deal_options(positions, length, world, window, tried, stats, solver="auto"):
     fewer, larger pieces, whose balance depends more on the per-piece constants, the least stable ones from run to
     run. Searching deeper only for rows left unbalanced gives 2.7% and 30 of 40 (bench/packed_robust.py --deep,
     2026-12-05); the rows the first search balances keep their deal and their planning time (0.06-0.2 s at 128K
-    on 2 CPU cores; 0.3-0.8 s with the deeper search)."""
+    on 2 CPU cores; 0.3-0.8 s with the deeper search). With a ``window``, also the window-blind deals
+    (``_window_blind_options``)."""
     options = segment_options(positions, length, world, window, tried, stats, solver)
     tokens = length // world
     if solver in ("auto", "segments") and world > 2 and balance(pick(options, tokens), tokens) > BALANCE_TARGET:
         options += segment_options(positions, length, world, window, tried, stats, solver,
                                    sources=min(world, DEEP_SOURCES))
+    if window is not None and solver != "work":
+        options += _window_blind_options(positions, length, world, window, stats, solver, per_rank)
     return options
+
+
+def _window_blind_options(positions, length, world, window, stats, solver, per_rank):
+    """The deals planned without the window (full causal costs), priced with it (kinds + 10). Why: the boundary
+    search is local, and under a window its landscape changes (a document part longer than the window is a launch of
+    its own, so cuts inside long documents cost more); on bench_packed-like rows a window-blind start was sometimes
+    the better deal (16K, W = 4, window 512: 4.05 vs 5.17 ms predicted). Doubles the planning time of windowed
+    models only."""
+    from .dispatch_segments import Estimate
+    prefix, restarts, start = _arrays(positions, window, stats)
+    blind_stats = _stats(positions, None)
+    blind_tried = equal_deals(positions, length, world, None, per_rank, blind_stats)
+    out = []
+    for o in deal_options(positions, length, world, None, blind_tried, blind_stats, solver):
+        t = Estimate(o[3], prefix, restarts, start, world, window).time(STEP_TIME)
+        out.append(_option(t, o[1], o[2] + 10, o[3]))
+    return out
 
 
 def balance(option, tokens: int) -> float:

@@ -212,6 +212,9 @@ class Estimate:
             for h in held:
                 rects[r][h] = rects[r].get(h, 0) + 1
             srcs[r] |= held - {r}
+        # under a window a document part longer than it is a Window piece: its own (dense) launch, which also ends
+        # the contiguous run of causal pieces that one varlen launch takes (kernels/documents._group)
+        runs = self._diagonal_runs(segs, restarts, world, window) if window is not None else None
         for r in range(world):
             for c in rects[r].values():
                 if RECT_VARLEN_MAX > 0 and c >= VARLEN_MIN_RECTS:
@@ -219,11 +222,30 @@ class Estimate:
                 else:
                     self.dense[r] += c
             self.pieces[r] += diag[r]
-            if diag[r] >= VARLEN_MIN_DOCS:
-                self.varlen[r] += 1
-            else:
-                self.dense[r] += diag[r]
+            for n in (runs[r] if runs is not None else [diag[r]]):  # n short parts in a row; 0: one long part
+                if n >= VARLEN_MIN_DOCS:
+                    self.varlen[r] += 1
+                else:
+                    self.dense[r] += max(n, 1)
         self.steps = [1 + len(x) for x in srcs]
+
+    @staticmethod
+    def _diagonal_runs(segs, restarts, world, window):
+        """Per rank, its diagonal document parts in local order as runs: n >= 1 for n consecutive parts of at most
+        ``window`` tokens, 0 for a longer part (a Window piece)."""
+        starts = np.flatnonzero(np.diff(restarts))  # tokens that begin a document
+        out = [[] for _ in range(world)]
+        for s0, s1, r in segs:
+            inner = starts[np.searchsorted(starts, s0, side="right"):np.searchsorted(starts, s1)]
+            bounds = [s0, *inner.tolist(), s1]
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if b - a > window:
+                    out[r].append(0)
+                elif out[r] and out[r][-1] > 0:
+                    out[r][-1] += 1
+                else:
+                    out[r].append(1)
+        return out
 
     def time(self, step: float) -> list[float]:
         from .dispatch import DENSE_TIME, PIECE_TIME, VARLEN_TIME
