@@ -186,7 +186,7 @@ class Estimate:
     more, smaller chunks it counts a few rectangles more than the kernel runs (adjacent kv rows merge there)."""
 
     def __init__(self, segs, prefix, restarts, first, world, window=None):
-        from .kernels.documents import RECT_VARLEN_MAX, VARLEN_MIN_DOCS, VARLEN_MIN_RECTS
+        from .kernels.documents import RECT_VARLEN_MAX, VARLEN_MIN_DOCS, VARLEN_MIN_RECTS, VARLEN_WINDOW
         self.work, self.pieces, self.steps = [0.0] * world, [0] * world, [1] * world
         # launches by kind (FA4, kernels/documents._group): a rank's own step lists its diagonal pieces (one per
         # document part) first, contiguous across its segments: one varlen launch when there are >= VARLEN_MIN_DOCS,
@@ -212,9 +212,10 @@ class Estimate:
             for h in held:
                 rects[r][h] = rects[r].get(h, 0) + 1
             srcs[r] |= held - {r}
-        # under a window a document part longer than it is a Window piece: its own (dense) launch, which also ends
-        # the contiguous run of causal pieces that one varlen launch takes (kernels/documents._group)
-        runs = self._diagonal_runs(segs, restarts, world, window) if window is not None else None
+        # under a window a document part longer than it is a Window piece: in FA4's windowed varlen run with the
+        # others (VARLEN_WINDOW), or, without one, its own dense launch that also ends the run (documents._group)
+        split = window is not None and "fa4" not in VARLEN_WINDOW
+        runs = self._diagonal_runs(segs, restarts, world, window) if split else None
         for r in range(world):
             for c in rects[r].values():
                 if RECT_VARLEN_MAX > 0 and c >= VARLEN_MIN_RECTS:

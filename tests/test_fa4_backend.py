@@ -215,6 +215,37 @@ def test_fa4_varlen_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not fa4.usable(0), reason="needs flash-attn-4 (pip install -e .[fa4]) on a Hopper/Blackwell GPU")
+def test_fa4_varlen_window_matches_reference():
+    """A diagonal run of documents, causal and windowed within each (kernels/documents.VARLEN_WINDOW): documents
+    shorter and longer than the window in one call, against float64 attention with the explicit mask."""
+    from tests.test_packed import _masked_reference
+    g = torch.Generator().manual_seed(6)
+    lens, left = [1, 37, 128, 300, 6, 700], 63
+    tot, hq, hkv, d = sum(lens), 8, 2, 128
+    q, do = (torch.randn(tot, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(tot, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    qb, kb, vb, dob = (t.cuda().bfloat16() for t in (q, k, v, do))
+    scale = d ** -0.5
+    fail = lambda *a: pytest.fail("fa4 windowed varlen fell back")  # noqa: E731
+    out, lse = fa4.varlen_window_forward(qb, kb, vb, cu, max(lens), left, scale, fail)
+    dq, dk, dv = fa4.varlen_window_backward(dob, qb, kb, vb, out, lse, cu, max(lens), left, scale, fail)
+    s = 0
+    for n in lens:
+        sl = slice(s, s + n)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        ref = _masked_reference(*(t[sl].unsqueeze(0) for t in (q, k, v, do)), (j <= i) & (j >= i - left), scale)
+        got_all = (out[sl], lse[:, sl], dq[sl], dk[sl], dv[sl])
+        for got, want, name in zip(got_all, ref, ("out", "lse", "dq", "dk", "dv")):
+            if n == 1 and name in ("dq", "dk"):
+                assert got.abs().max() < 1e-3, f"{name} doc 1 should be ~0"
+                continue
+            assert_close(got.double().cpu(), want[0], 2e-2, f"{name} doc {n}")
+        s += n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fa4.usable(0), reason="needs flash-attn-4 (pip install -e .[fa4]) on a Hopper/Blackwell GPU")
 def test_fa4_varlen_rectangles_match_reference():
     """Non-causal varlen with different q and kv lengths per sequence (kernels/documents' rectangles of a block)."""
     g = torch.Generator().manual_seed(4)

@@ -146,6 +146,31 @@ def _math_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, cau
     return gq, gk, gv
 
 
+def _math_varlen_window_forward(q, k, v, cu, max_len, left, scale, fallback):
+    """A reference windowed varlen kernel (causal within each sequence, keys a - left <= b <= a)."""
+    from easy_context.kernels.documents import _piece_forward
+    outs, lses = [], []
+    for s, e in _spans_of(cu):
+        assert e - s <= max_len
+        o, l = _piece_forward("math", q[s:e][None], k[s:e][None], v[s:e][None], packing.Window(left + 1, 0, True),
+                              scale)
+        outs.append(o[0])
+        lses.append(l[0])
+    _math_varlen_window_forward.calls = getattr(_math_varlen_window_forward, "calls", 0) + 1
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _math_varlen_window_backward(dout, q, k, v, out, lse, cu, max_len, left, scale, fallback):
+    from easy_context.kernels.documents import _piece_backward
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for s, e in _spans_of(cu):
+        g = _piece_backward("math", *(t[s:e][None] for t in (dout, q, k, v, out)), lse[:, s:e][None],
+                            packing.Window(left + 1, 0, True), scale)
+        for acc, x in zip(grads, g):
+            acc[s:e] = x[0]
+    return tuple(grads)
+
+
 def test_varlen_grouping_matches_per_document_calls(monkeypatch):
     """Diagonal runs of >= VARLEN_MIN_DOCS documents go to one varlen call (FA4 on a GPU); same result."""
     _math_varlen_forward.calls = 0
@@ -268,11 +293,13 @@ def _masked_reference(q, k, v, do, keep, scale):
 def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, window):
     """Every block a ring asks for (diagonal, kv before q, zigzag pairs; packed and not) equals float64 attention
     with the explicit mask, through each window path: tiles with reversed band squares (alone, and beside a varlen
-    kernel for the documents' runs), band edges on the math kernel, and a window kernel in fa4's convention."""
+    kernel for the documents' runs), band edges on the math kernel, a window kernel in fa4's convention, and
+    diagonal runs whose documents longer than the window join one windowed varlen call (VARLEN_WINDOW)."""
     from easy_context.kernels import documents as kd
     g = torch.Generator().manual_seed(3)
     paths = {"tiles": {}, "tiles+varlen": {"varlen": True}, "local": {"local": True},
-             "math band edges": {"no_reverse": True}}
+             "math band edges": {"no_reverse": True}, "windowed varlen runs": {"varlen": True, "varlen_window": True}}
+    _math_varlen_window_forward.calls = 0
     seen_reversed = 0
     real_reversed = kd._reversed_causal
 
@@ -308,6 +335,9 @@ def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, w
                         m.setitem(kernels.VARLEN, "math", (_math_varlen_forward, _math_varlen_backward))
                     if opt.get("local"):
                         m.setitem(kd.WINDOWED, "math", (_fa_window_math, _fa_window_math_bwd))
+                    if opt.get("varlen_window"):  # documents longer than the window join the varlen runs
+                        m.setitem(kd.VARLEN_WINDOW, "math", (_math_varlen_window_forward,
+                                                              _math_varlen_window_backward))
                     if opt.get("no_reverse"):
                         m.setattr(kd, "_reversed_causal", lambda *a: False)
                     got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
@@ -317,6 +347,7 @@ def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, w
                     assert torch.equal(fin, torch.isfinite(a)), (path, name)
                     assert_close(a[fin], b[fin], 1e-10, f"{path} window {window} {lengths} {name}")
     assert seen_reversed > 0 or window >= 16  # the band squares took the reversed path
+    assert _math_varlen_window_forward.calls > 0 or window >= 16  # a windowed varlen run was taken
 
 
 @pytest.mark.gpu

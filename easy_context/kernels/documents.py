@@ -6,7 +6,8 @@ Sliding windows: a ``Window`` piece runs in one call of the backend's window ker
 window_size). Backends without one (cuDNN, ...) cut it into q tiles of w rows (``Window.tiles``); a tile's band
 edge -- a square whose kept keys are b >= a, i.e. a causal square with q and kv reversed -- runs reversed on the
 causal kernel (the flip trick), so no band runs on the math kernel. H200, 128K, window 4096 (docs/memory.md): fa4
-window_size 64.8 ms, tiles with math band edges ~2 s.
+window_size 64.8 ms, tiles with math band edges ~2 s. A document longer than the window on the diagonal joins the
+varlen run of its neighbours where the varlen kernel takes a window too (``VARLEN_WINDOW``: fa4).
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ WINDOWED = {"fa4": (fa4.window_forward, fa4.window_backward)}
 # -> (out, lse (H, total)); backward likewise.) Tests register a reference implementation here.
 VARLEN = {"fa4": (fa4.varlen_forward, fa4.varlen_backward)}
 VARLEN_MIN_DOCS = 4  # fewer documents in a run: per-document dense calls are as cheap
+# Backends whose varlen kernel also takes a sliding window: under a window, a document longer than it (a causal
+# ``Window`` piece on the diagonal) joins the diagonal run, which is then one windowed varlen call (documents within
+# the window are unaffected by it), instead of a launch of its own that also splits the run. (forward(q, k, v, cu,
+# max_len, left, scale, fallback) -> (out, lse (H, total)); backward(dout, q, k, v, out, lse, cu, max_len, left,
+# scale, fallback) -> grads; key b kept for query a iff a - left <= b <= a, within each sequence.)
+VARLEN_WINDOW = {"fa4": (fa4.varlen_window_forward, fa4.varlen_window_backward)}
 # Rectangles (earlier rows of a document; a dispatched ring's received blocks are only rectangles) of at most
 # RECT_VARLEN_MAX score elements go, when a block has >= VARLEN_MIN_RECTS of them, into one non-causal varlen call,
 # rows gathered by index and merged back by index: one launch and one merge instead of one each. Off (0) by default:
@@ -66,13 +73,17 @@ def _group(name, pieces):
         else:
             items.extend(("dense", p) for p in run)
         run.clear()
+
+    def diagonal(qs, ks, causal):  # a causal piece on the diagonal that a varlen run of this backend can take
+        return qs == ks and (causal is True or (isinstance(causal, Window) and causal.causal and causal.d == 0
+                                                and name in VARLEN_WINDOW))
     for p in pieces:
         qs, ks, causal = p
-        if causal is True and qs == ks and (not run or run[-1][0].stop == qs.start):
+        if diagonal(qs, ks, causal) and (not run or run[-1][0].stop == qs.start):
             run.append(p)
             continue
         flush()
-        if causal is True and qs == ks:
+        if diagonal(qs, ks, causal):
             run.append(p)
         elif causal is False and name in VARLEN and \
                 (qs.stop - qs.start) * (ks.stop - ks.start) <= RECT_VARLEN_MAX:
@@ -188,7 +199,6 @@ def _rects_backward(name, dout, q, k, v, out, lse, bs, rects, scale, grads):
 def _doc_forward(name, q, k, v, scale, docs, into=None):
     """``into``: fp32 (out, lse) accumulators of all q rows to merge the pieces into (returned; None if no piece):
     a step of a ring then costs only its pieces' rows, not a full-size buffer, cast and merge."""
-    fwd = _FORWARD[name]
     out, lse = into if into is not None else (None, None)
     hit = False
     for bs, pieces in _doc_rows(q, docs):
@@ -208,11 +218,15 @@ def _doc_forward(name, q, k, v, scale, docs, into=None):
                 qs = slice(item[0][0].start, item[-1][0].stop)
                 nb = q[bs].shape[0]
                 cu, mx = _cu(item, nb, q.device)
+                win = _run_window(item)
 
                 def dense(qs=qs, item=item):
-                    return _varlen_by_pieces(fwd, q[bs], k[bs], v[bs], item, scale)
-                o, l = VARLEN[name][0](_flat(q, bs, qs), _flat(k, bs, qs), _flat(v, bs, qs), cu, cu, mx, mx,
-                                       True, scale, lambda: _pack_varlen(*dense(), nb))
+                    return _varlen_by_pieces(name, q[bs], k[bs], v[bs], item, scale)
+                flat = (_flat(q, bs, qs), _flat(k, bs, qs), _flat(v, bs, qs))
+                if win is None:
+                    o, l = VARLEN[name][0](*flat, cu, cu, mx, mx, True, scale, lambda: _pack_varlen(*dense(), nb))
+                else:
+                    o, l = VARLEN_WINDOW[name][0](*flat, cu, mx, win - 1, scale, lambda: _pack_varlen(*dense(), nb))
                 n = qs.stop - qs.start
                 o = o.view(nb, n, *o.shape[1:])
                 l = l.view(l.shape[0], nb, n).transpose(0, 1)
@@ -278,9 +292,14 @@ def _tiled_backward(name, dout, q, k, v, out, lse, win, scale):
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
-def _varlen_by_pieces(fwd, q, k, v, run, scale):
-    """Fallback of a varlen call: the run's documents one dense causal call each -> (out, lse) of the run."""
-    outs, lses = zip(*(fwd(q[:, p[0]], k[:, p[1]], v[:, p[1]], True, scale) for p in run))
+def _run_window(run) -> int | None:
+    """The window of a diagonal run holding a ``Window`` piece (one windowed varlen call), else None."""
+    return next((p[2].w for p in run if isinstance(p[2], Window)), None)
+
+
+def _varlen_by_pieces(name, q, k, v, run, scale):
+    """Fallback of a varlen call: the run's documents one dense causal (or windowed) call each -> (out, lse)."""
+    outs, lses = zip(*(_piece_forward(name, q[:, p[0]], k[:, p[1]], v[:, p[1]], p[2], scale) for p in run))
     return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
 
 
@@ -290,7 +309,6 @@ def _pack_varlen(o, l, nb):  # (B, n, H, D), (B, H, n) -> the varlen layout (B*n
 
 def _doc_backward(name, dout, q, k, v, out, lse, scale, docs, into=None):
     """``into``: fp32 (dq, dk, dv) accumulators to add the pieces' gradients to (returned; None if no piece)."""
-    bwd = _BACKWARD[name]
     grads = list(into) if into is not None else None
     hit = False
     for bs, pieces in _doc_rows(q, docs):
@@ -313,11 +331,15 @@ def _doc_backward(name, dout, q, k, v, out, lse, scale, docs, into=None):
                 l_flat = lse[bs, :, qs].transpose(0, 1).reshape(lse.shape[1], -1).contiguous()
 
                 def dense(item=item):
-                    parts = [bwd(dout[bs, p[0]], q[bs, p[0]], k[bs, p[1]], v[bs, p[1]], out[bs, p[0]],
-                                 lse[bs, :, p[0]], True, scale) for p in item]
+                    parts = [_piece_backward(name, dout[bs, p[0]], q[bs, p[0]], k[bs, p[1]], v[bs, p[1]],
+                                             out[bs, p[0]], lse[bs, :, p[0]], p[2], scale) for p in item]
                     return tuple(torch.cat(x, dim=1).reshape(-1, *x[0].shape[2:]) for x in zip(*parts))
-                g = VARLEN[name][1](_flat(dout, bs, qs), _flat(q, bs, qs), _flat(k, bs, qs), _flat(v, bs, qs),
-                                    _flat(out, bs, qs), l_flat, cu, cu, mx, mx, True, scale, dense)
+                flat = [_flat(t, bs, qs) for t in (dout, q, k, v, out)]
+                win = _run_window(item)
+                if win is None:
+                    g = VARLEN[name][1](*flat, l_flat, cu, cu, mx, mx, True, scale, dense)
+                else:
+                    g = VARLEN_WINDOW[name][1](*flat, l_flat, cu, mx, win - 1, scale, dense)
                 g = [x.view(nb, n, *x.shape[1:]) for x in g]
             grads[0][bs, qs] += g[0]
             grads[1][bs, ks] += g[1]

@@ -169,6 +169,27 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, s
     return _run("varlen backward", q, k, causal, call, fallback, (max_q, max_k))
 
 
+def varlen_window_forward(q, k, v, cu, max_len, left, scale, fallback):
+    """A diagonal run of documents, causal within each and windowed (key b kept for query a iff a - left <= b <= a),
+    in one varlen call: documents longer than the window join the run instead of a launch each."""
+    def call(mod):
+        out, lse, *_ = mod._flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                           max_seqlen_k=max_len, softmax_scale=scale, causal=True,
+                                           window_size_left=left, window_size_right=0, return_lse=True)
+        return out, lse
+    return _run("varlen window forward", q, k, True, call, fallback, (max_len, left))
+
+
+def varlen_window_backward(dout, q, k, v, out, lse, cu, max_len, left, scale, fallback):
+    def call(mod):
+        dq, dk, dv, *_ = mod._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse.contiguous(), softmax_scale=scale,
+                                             causal=True, window_size_left=left, window_size_right=0,
+                                             cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                             max_seqlen_k=max_len)
+        return dq, dk, dv
+    return _run("varlen window backward", q, k, True, call, fallback, (max_len, left))
+
+
 def window_forward(q, k, v, left, right, scale, fallback):
     """A sliding-window piece in one call: key b kept for query a iff a + Lk - Lq - left <= b (and b <= a + Lk - Lq
     + right unless right is None), flash-attention's bottom-right convention (packing.Window.kernel_window)."""
