@@ -71,6 +71,7 @@ case "${1:-}" in
       2>&1 | grep -v Warn | tee "$OUT/packed_pick.log" | grep -A40 "^## Simulated" ;;
   dispatch-window)
     shift  # every layer windowed (4096, Mistral v0.1): the picks planned with the window vs the window-blind pick
+    python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_fa4_backend.py -k "varlen" 2>&1 | tail -3 || true
     python3 bench/bench_packed.py --lengths ${@:-131072} --world 8 --rounds ${ROUNDS:-3} --window ${WINDOW:-4096} \
       2>&1 | grep -v Warn | tee "$OUT/packed_window.log" | grep -A20 "^## Simulated" ;;
   calibrate)
