@@ -434,10 +434,9 @@ def deal_options(positions, length, world, window, tried, stats, solver="auto", 
 
 def _window_blind_options(positions, length, world, window, stats, solver, per_rank):
     """The deals planned without the window (full causal costs), priced with it (kinds + 10). Why: the boundary
-    search is local, and under a window its landscape changes (a document part longer than the window is a launch of
-    its own, so cuts inside long documents cost more); on bench_packed-like rows a window-blind start was sometimes
-    the better deal (16K, W = 4, window 512: 4.05 vs 5.17 ms predicted). Doubles the planning time of windowed
-    models only."""
+    search is local, and from another start it ends elsewhere. On 36 bench_packed-like rows (16K-512K, W = 8) a
+    window-blind deal was the pick 3 times, 6-13% faster than the best window-aware one (predicted, 2026-12-05).
+    Doubles the planning time of windowed models only."""
     from .dispatch_segments import Estimate
     prefix, restarts, start = _arrays(positions, window, stats)
     blind_stats = _stats(positions, None)
