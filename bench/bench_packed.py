@@ -12,8 +12,8 @@ row as one causal stream, and the load balance across ranks (simulated ring on o
 Rows are filled with documents whose lengths are drawn from a log-normal distribution (median 1500 tokens,
 sigma 1.5: mean ~4.6K, a long tail of 30K+ documents; clipped to [16, L]; the last document is cut at the row
 end), seed 0 unless ``--seeds``. Each rank's work is exactly what ``zigzag_ring_forward``/``backward`` run: per
-ring step the facade call on (its q rows, the visiting kv rows) with the packed documents — pieces the mask removes cost
-nothing, diagonal runs of documents go to one varlen launch (FA4) — plus the fp32 LSE merges. Reported:
+ring step the facade call on (its q rows, the visiting kv rows) with the packed documents — pieces the mask removes
+cost nothing, diagonal runs of documents go to one varlen launch (FA4) — plus the fp32 LSE merges. Reported:
 Σ rank time (packed) / Σ rank time (the same row as one causal stream), max/mean rank time, and the packed
 output's error against per-document attention on the full row.
 
@@ -465,8 +465,8 @@ def main():
     print(f"\n## Score elements (zigzag W={args.world}, log-normal documents, median {args.median:g}, "
           f"sigma {args.sigma:g})\n")
     print(table(counts, ["L", "W", "seed", "layout", "docs", "max_doc", "work_vs_stream", "max_over_mean",
-                         "rank_Melems", "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_mm", "pred_ms_before",
-                         "pred_vs_default"]))
+                         "rank_Melems", "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_mm",
+                         "pred_ms_before", "pred_vs_default"]))
     print("\npred_ms: dispatch.py's time model fitted to the H200 timings (FA4, fwd+bwd, 32 heads x 128) from exact "
           "per-rank counts; pred_mm: max/mean of the predicted rank times;\npred_ms_before: the same with the "
           "ring steps' full-size passes the measured code made")
@@ -488,8 +488,8 @@ def main():
         torch.cuda.empty_cache()
     print("\n## Simulated ring, packed documents (zigzag, k pairs, dispatch) vs one causal stream (fwd+bwd, bf16)\n")
     print(table(rows, ["L", "W", "seed", "layout", "docs", "mean_doc", "max_doc", "packed_ms", "slowest_rank_ms",
-                       "stream_ms", "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "vs_default", "fa4_launches",
-                       "kv_MB", "err"]))
+                       "stream_ms", "speedup", "wall_speedup", "max_over_mean", "stream_max_over_mean", "vs_default",
+                       "fa4_launches", "kv_MB", "err"]))
     print("\n## Measured ms per rank (fwd+bwd; the points `--fit` re-fits the time model on)\n")
     print(table(rows, ["L", "seed", "layout", "rank_ms", "rounds_max_over_mean"]))
     if os.environ.get("OUT"):
