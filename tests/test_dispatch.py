@@ -387,6 +387,17 @@ def test_plan_reports_the_dispatch():
     assert ratio[-1] < ratio[0], ratio  # (m is the cost model's pick: short rows favour fewer kernel pieces)
     text = packed_report(65536, 8, 32, 128, 600.0, 1500, 1.5)
     assert "dispatch" in text and "ideal (sum / W)" in text
+    # a model whose every layer is windowed (plan --model <Mistral v0.1 dir>): keys capped, dispatch planned with it
+    import transformers as tf
+
+    from easy_context.tools.plan.shape import shape_from_dict
+    cfg = tf.MistralConfig(sliding_window=1024, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, vocab_size=100)
+    assert shape_from_dict("m", cfg.to_dict()).window == 1024
+    assert shape_from_dict("m", tf.MistralConfig(sliding_window=None).to_dict()).window is None
+    windowed = layouts(pos, 8, 1024)
+    assert sum(windowed[-1][1]) < 0.8 * sum(rows[-1][1])  # the capped keys: less work in all
+    assert "every layer windowed, 1024 tokens" in packed_report(65536, 8, 32, 128, 600.0, 1500, 1.5, 1024)
 
 
 def test_a_view_of_the_prepared_positions_finds_its_own_table_not_a_later_one():

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         tput = g["attn_fwd_bwd_tflops"][args.kernel or g["default_kernel"]]
         tflops = float(tput[max(tput, key=lambda n: int(n) if int(n) <= args.seq_length else -1)])
         print(f"\n{'the fastest fitting ring layout: ' + ring[0]['mode'] if ring else 'no ring layout fits'}")
-        print(packed_report(args.seq_length, w, shape.heads, shape.head_dim, tflops, args.doc_median, args.doc_sigma))
+        print(packed_report(args.seq_length, w, shape.heads, shape.head_dim, tflops, args.doc_median, args.doc_sigma,
+                            shape.window))
     if env.world > 1:
         print("note: " + MULTI_GPU_NOTE)
     print("note: predictions, not measurements; single-H200 points are checked by bench/plan_validation.py")

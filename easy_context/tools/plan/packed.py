@@ -29,10 +29,12 @@ def sample_row(length: int, median: float, sigma: float, seed: int = 0) -> torch
     return torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
 
 
-def layouts(pos: torch.Tensor, world: int) -> list[tuple[str, list[float], list[int] | None]]:
-    """(name, work per rank, modelled time per rank in score elements or None) of zigzag, k pairs and the dispatch."""
+def layouts(pos: torch.Tensor, world: int, window: int | None = None) -> list[tuple[str, list[float], list | None]]:
+    """(name, work per rank, modelled time per rank in score elements or None) of zigzag, k pairs and the dispatch.
+    ``window``: every attention layer's sliding window (keys per token capped; the dispatch planned with it, as
+    train.py does)."""
     length = pos.shape[-1]
-    tok = token_costs(pos)
+    tok = token_costs(pos, window)
     out = []
     for k in sorted({1, zigzag_pairs(length, world)}):
         n = 2 * world * k
@@ -41,8 +43,8 @@ def layouts(pos: torch.Tensor, world: int) -> list[tuple[str, list[float], list[
         c = tok.view(n, -1).sum(1)
         out.append((f"zigzag {n} chunks (k={k})", [float(sum(c[i] for i in pair_chunks(r, world, k)))
                                                    for r in range(world)], None))
-    d = plan_dispatch(pos, world)
-    e = estimate(pos, d.cuts, d.owners)
+    d = plan_dispatch(pos, world, window)
+    e = estimate(pos, d.cuts, d.owners, window)
     fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * (length // world)  # per-token time, equal on every rank
     out.append((f"dispatch {d.chunks} chunks (<= {d.per_rank} a rank)", list(e.work),
                 [t + fixed for t in e.time(STEP_TIME)]))
@@ -50,16 +52,17 @@ def layouts(pos: torch.Tensor, world: int) -> list[tuple[str, list[float], list[
 
 
 def packed_report(length: int, world: int, heads: int, head_dim: int, tflops: float, median: float,
-                  sigma: float) -> str:
+                  sigma: float, window: int | None = None) -> str:
     if world < 2:
         return "packed rows: one sequence-parallel rank, nothing to balance"
     pos = sample_row(length, median, sigma)
     flops = 4 * head_dim * heads * 3.5  # per score element, fwd+bwd
     ms = lambda elems: 1e3 * elems * flops / (tflops * 1e12)  # noqa: E731
+    win = f"; every layer windowed, {window} tokens" if window is not None else ""
     lines = [f"packed rows (one sampled row: log-normal documents, median {median:g}, sigma {sigma:g}; {world} ring "
-             f"ranks), attention per layer fwd+bwd, predicted:",
+             f"ranks{win}), attention per layer fwd+bwd, predicted:",
              "  layout                         max/mean  slowest rank ms  (all priced: ms, max/mean)"]
-    for name, work, timed in layouts(pos, world):
+    for name, work, timed in layouts(pos, world, window):
         mean = sum(work) / world
         extra = "" if timed is None else f"  ({ms(max(timed)):.1f}, {max(timed) / (sum(timed) / world):.3f})"
         lines.append(f"  {name:<30} {max(work) / mean:8.3f}  {ms(max(work)):15.1f}{extra}")

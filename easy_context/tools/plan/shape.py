@@ -24,6 +24,7 @@ class Shape:
     moe_intermediate: int = 0
     qkv_bias: bool = False
     qk_norm: bool = False
+    window: int | None = None  # the sliding window of every attention layer (hf.config.attention_window), else None
 
     @property
     def d_attn(self) -> int:  # width of q and of the attention output
@@ -69,6 +70,9 @@ def model_flops_per_token(shape: Shape, seq_len: int) -> float:
 
 
 def shape_from_dict(name: str, d: dict) -> Shape:
+    from types import SimpleNamespace
+
+    from ...hf.config import attention_window
     g = d.get
     heads = int(g("num_attention_heads"))
     hidden = int(g("hidden_size"))
@@ -81,7 +85,8 @@ def shape_from_dict(name: str, d: dict) -> Shape:
                  experts_per_token=int(g("num_experts_per_tok") or 1),
                  moe_intermediate=int(g("moe_intermediate_size") or g("intermediate_size") or 0),
                  qkv_bias=bool(g("attention_bias", False)) or g("model_type") in ("qwen2", "qwen2_moe"),
-                 qk_norm=g("model_type") in ("qwen3", "qwen3_moe", "olmo2"))
+                 qk_norm=g("model_type") in ("qwen3", "qwen3_moe", "olmo2"),
+                 window=attention_window(SimpleNamespace(**d)))
 
 
 def load_shape(model: str) -> Shape:
