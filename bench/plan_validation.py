@@ -14,6 +14,7 @@ collectives) have no measurement to compare with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -42,6 +43,8 @@ ALST = dict(mode="data_parallel", sp=1, checkpointing="layer", chunked_loss=True
 TP = dict(mode="zigzag_ring_attn", sp=1, checkpointing="selective", chunked_loss=True, tiled_mlp=False, kernel="fa4")
 TP_OLD = dict(mode="zigzag_ring_attn", sp=1, chunked_loss=True, kernel="cudnn", zero="zero3-offload")
 S7, S3 = "llama-2-7b", "llama-3.2-3b"
+M7 = "mistral-7b-v0.1"  # sliding window 4096 on every layer; "+full": the same shape with full attention
+MIS = "docs/memory.md Mistral-7B shape at 128K (bench_train_step.py --mistral-window 4096, 2026-12-04)"
 STEP = "docs/performance.md Training step (bench_train_step.py)"
 MEMB = "docs/memory.md Memory (bench_memory.py)"
 TPY = "docs/performance.md The real train.py (bench_train_py.py)"
@@ -99,6 +102,8 @@ POINTS = [
      21.7, 79, DES, "host"),
     ("train.py zero3-offload layer+tiled", S3, L256, {**TP_OLD, "checkpointing": "layer", "tiled_mlp": True}, 1,
      117, 63.9, 84, DES, ""),
+    ("ours fa4 selective+chunked, window 4096", M7, L128, OURS, 1, 13.88, 105.0, None, MIS, ""),
+    ("ours fa4 selective+chunked, full attention", M7 + "+full", L128, OURS, 1, 36.97, 105.0, None, MIS, ""),
 ]
 NOTES = [
     "* = the Memory table's first run, before the fix that frees the recomputed layer output (+8 KB/token, added to "
@@ -120,7 +125,9 @@ def run_point(p):
     label, shape_name, L, kw, ga, t_meas, m_meas, h_meas, src, fit = p
     kw = dict(kw)
     k = kw.pop("k", None)
-    shape = load_shape(shape_name)
+    shape = load_shape(shape_name.removesuffix("+full"))
+    if shape_name.endswith("+full"):  # --no-sliding-window
+        shape = dataclasses.replace(shape, window=None)
     opt = Option(dp=1, **kw)
     env = Env(gpu="h200", gpus_per_node=1, nodes=1, seq_len=L, grad_accum=ga, offload_every_k=k,
               host_mem_gib=10_000)

@@ -24,6 +24,13 @@ def _interp(table: dict, L: int) -> float:
     raise AssertionError
 
 
+def attended_pairs(L: int, window: int | None = None) -> float:
+    """(query, key) pairs of one causal sequence of L tokens, each query seeing at most ``window`` keys."""
+    if window is None or window >= L:
+        return L * L / 2.0
+    return L * window - window * (window - 1) / 2.0
+
+
 def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: float, k: int):
     """(compute s of one micro-batch, attention fwd+bwd s per layer, attention fwd s per layer)."""
     L, B, sp, d, da = env.seq_len, env.batch, opt.sp, shape.hidden, shape.d_attn
@@ -31,7 +38,9 @@ def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: f
     r_fb = _interp(g["attn_fwd_bwd_tflops"][kernel], L) * 1e12
     r_f = _interp(g["attn_fwd_tflops"][kernel], L) * 1e12
     load = C("ring_load_factor") if sp > 1 and mode_of(opt).uses_ring else 1.0
-    attn_fwd_flops = 2.0 * B * L * L * da / sp      # causal: 4·L²·d_attn / 2 per sequence, split over sp
+    attn_fwd_flops = 4.0 * B * attended_pairs(L, shape.window) * da / sp  # causal: 4·L²·d_attn / 2, split over sp
+    if shape.window is not None and shape.window < L:  # FA4's local kernel runs below the causal one's throughput
+        r_fb, r_f = r_fb * C("window_attn_efficiency"), r_f * C("window_attn_efficiency")
     t_attn = 3.5 * attn_fwd_flops / r_fb * load
     t_attn_f = attn_fwd_flops / r_f * load
     t_mm = 6.0 * shape.matmul_params_active() * T / r_mm
