@@ -183,17 +183,22 @@ def test_auto_choice_prefers_fa4_on_hopper_only():
     assert "fa4" not in kernels.available_backends("cpu")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not fa4.usable(0), reason="needs flash-attn-4 (pip install -e .[fa4]) on a Hopper/Blackwell GPU")
-def test_fa4_varlen_matches_reference():
-    g = torch.Generator().manual_seed(1)
-    lens = [1, 37, 128, 300, 6]
+def _varlen_case(lens, seed):
+    """float64 (q, k, v, dout) of packed sequences ``lens`` (8 q / 2 kv heads x 128), their cu_seqlens and bf16
+    copies on the GPU, and the softmax scale."""
+    g = torch.Generator().manual_seed(seed)
     tot, hq, hkv, d = sum(lens), 8, 2, 128
     q, do = (torch.randn(tot, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(tot, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    qb, kb, vb, dob = (t.cuda().bfloat16() for t in (q, k, v, do))
-    scale = d ** -0.5
+    return (q, k, v, do), cu, tuple(t.cuda().bfloat16() for t in (q, k, v, do)), d ** -0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fa4.usable(0), reason="needs flash-attn-4 (pip install -e .[fa4]) on a Hopper/Blackwell GPU")
+def test_fa4_varlen_matches_reference():
+    lens = [1, 37, 128, 300, 6]
+    (q, k, v, do), cu, (qb, kb, vb, dob), scale = _varlen_case(lens, 1)
     fail = lambda *a: pytest.fail("fa4 varlen fell back")  # noqa: E731
     out, lse = fa4.varlen_forward(qb, kb, vb, cu, cu, max(lens), max(lens), True, scale, fail)
     dq, dk, dv = fa4.varlen_backward(dob, qb, kb, vb, out, lse, cu, cu, max(lens), max(lens), True, scale, fail)
@@ -219,14 +224,8 @@ def test_fa4_varlen_window_matches_reference():
     """A diagonal run of documents, causal and windowed within each (kernels/documents.VARLEN_WINDOW): documents
     shorter and longer than the window in one call, against float64 attention with the explicit mask."""
     from tests.test_packed import _masked_reference
-    g = torch.Generator().manual_seed(6)
     lens, left = [1, 37, 128, 300, 6, 700], 63
-    tot, hq, hkv, d = sum(lens), 8, 2, 128
-    q, do = (torch.randn(tot, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(tot, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    qb, kb, vb, dob = (t.cuda().bfloat16() for t in (q, k, v, do))
-    scale = d ** -0.5
+    (q, k, v, do), cu, (qb, kb, vb, dob), scale = _varlen_case(lens, 6)
     fail = lambda *a: pytest.fail("fa4 windowed varlen fell back")  # noqa: E731
     out, lse = fa4.varlen_window_forward(qb, kb, vb, cu, max(lens), left, scale, fail)
     dq, dk, dv = fa4.varlen_window_backward(dob, qb, kb, vb, out, lse, cu, max(lens), left, scale, fail)
