@@ -294,12 +294,18 @@ def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, w
     """Every block a ring asks for (diagonal, kv before q, zigzag pairs; packed and not) equals float64 attention
     with the explicit mask, through each window path: tiles with reversed band squares (alone, and beside a varlen
     kernel for the documents' runs), band edges on the math kernel, a window kernel in fa4's convention, and
-    diagonal runs whose documents longer than the window join one windowed varlen call (VARLEN_WINDOW)."""
+    diagonal runs whose documents longer than the window join one windowed varlen call (VARLEN_WINDOW), also when
+    that kernel refuses (the run then goes as without it: long documents alone, the rest in plain varlen runs)."""
     from easy_context.kernels import documents as kd
     g = torch.Generator().manual_seed(3)
     paths = {"tiles": {}, "tiles+varlen": {"varlen": True}, "local": {"local": True},
-             "math band edges": {"no_reverse": True}, "windowed varlen runs": {"varlen": True, "varlen_window": True}}
+             "math band edges": {"no_reverse": True}, "windowed varlen runs": {"varlen": True, "varlen_window": True},
+             "windowed varlen refused": {"varlen": True, "varlen_refused": True}}
     _math_varlen_window_forward.calls = 0
+    plain_in_refused = 0  # plain varlen launches of the stretches between long documents, when the windowed one fails
+
+    def refused_forward(*a):  # a windowed varlen kernel that refuses (FA4 on a GPU where it lacks the combination)
+        return a[-1]()
     seen_reversed = 0
     real_reversed = kd._reversed_causal
 
@@ -308,7 +314,7 @@ def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, w
         hit = real_reversed(*a)
         seen_reversed += hit
         return hit
-    for lengths in ([40], [3, 1, 17, 2, 9, 8]):
+    for lengths in ([40], [3, 1, 17, 2, 9, 8], [2, 3, 1, 2, 20, 4, 3, 5]):
         n = sum(lengths)
         q, do = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
         k, v = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -338,16 +344,22 @@ def test_windowed_blocks_equal_the_masked_reference_on_every_path(monkeypatch, w
                     if opt.get("varlen_window"):  # documents longer than the window join the varlen runs
                         m.setitem(kd.VARLEN_WINDOW, "math", (_math_varlen_window_forward,
                                                               _math_varlen_window_backward))
+                    if opt.get("varlen_refused"):
+                        m.setitem(kd.VARLEN_WINDOW, "math", (refused_forward, refused_forward))
+                    before = getattr(_math_varlen_forward, "calls", 0)
                     if opt.get("no_reverse"):
                         m.setattr(kd, "_reversed_causal", lambda *a: False)
                     got = kernels.attn_forward(qi, ki, vi, True, 0.3, "math", docs=blk)
                     gg = kernels.attn_backward(di, qi, ki, vi, *got, True, 0.3, "math", docs=blk)
+                    if opt.get("varlen_refused"):
+                        plain_in_refused += getattr(_math_varlen_forward, "calls", 0) - before
                 for a, b, name in zip((*got, *gg), ref, ("out", "lse", "dq", "dk", "dv")):
                     fin = torch.isfinite(b)  # rows the block masks entirely: lse -inf in both
                     assert torch.equal(fin, torch.isfinite(a)), (path, name)
                     assert_close(a[fin], b[fin], 1e-10, f"{path} window {window} {lengths} {name}")
     assert seen_reversed > 0 or window >= 16  # the band squares took the reversed path
     assert _math_varlen_window_forward.calls > 0 or window >= 16  # a windowed varlen run was taken
+    assert plain_in_refused > 0 or window >= 16  # ... and, refused, its short documents still shared a launch
 
 
 @pytest.mark.gpu

@@ -216,20 +216,7 @@ def _doc_forward(name, q, k, v, scale, docs, into=None):
                 o, l = _piece_forward(name, q[bs, qs], k[bs, ks], v[bs, ks], causal, scale)
             else:  # one varlen launch over a diagonal run of documents
                 qs = slice(item[0][0].start, item[-1][0].stop)
-                nb = q[bs].shape[0]
-                cu, mx = _cu(item, nb, q.device)
-                win = _run_window(item)
-
-                def dense(qs=qs, item=item):
-                    return _varlen_by_pieces(name, q[bs], k[bs], v[bs], item, scale)
-                flat = (_flat(q, bs, qs), _flat(k, bs, qs), _flat(v, bs, qs))
-                if win is None:
-                    o, l = VARLEN[name][0](*flat, cu, cu, mx, mx, True, scale, lambda: _pack_varlen(*dense(), nb))
-                else:
-                    o, l = VARLEN_WINDOW[name][0](*flat, cu, mx, win - 1, scale, lambda: _pack_varlen(*dense(), nb))
-                n = qs.stop - qs.start
-                o = o.view(nb, n, *o.shape[1:])
-                l = l.view(l.shape[0], nb, n).transpose(0, 1)
+                o, l = _run_forward(name, q, k, v, bs, item, scale)
             from . import merge_attn_out
             merge_attn_out(out[bs, qs], lse[bs, :, qs], o, l)  # a row may get pieces of two runs
     if into is not None:
@@ -292,6 +279,69 @@ def _tiled_backward(name, dout, q, k, v, out, lse, win, scale):
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
+def _run_forward(name, q, k, v, bs, run, scale):
+    """(out (B, n, H, D), lse (B, H, n)) of a diagonal run of documents in one varlen launch: windowed (VARLEN_WINDOW)
+    when it holds a ``Window`` piece. Fallbacks: one call a document, or for a refused windowed launch the run as it
+    would be without one (``_parts``)."""
+    qs = slice(run[0][0].start, run[-1][0].stop)
+    nb, n = q[bs].shape[0], qs.stop - qs.start
+    cu, mx = _cu(run, nb, q.device)
+    flat = (_flat(q, bs, qs), _flat(k, bs, qs), _flat(v, bs, qs))
+    win = _run_window(run)
+    if win is None:
+        o, l = VARLEN[name][0](*flat, cu, cu, mx, mx, True, scale,
+                               lambda: _pack_varlen(*_varlen_by_pieces(name, q[bs], k[bs], v[bs], run, scale), nb))
+    else:
+        def by_parts():
+            got = [_run_forward(name, q, k, v, bs, part, scale) if varlen else
+                   _varlen_by_pieces(name, q[bs], k[bs], v[bs], part, scale) for part, varlen in _parts(name, run)]
+            return _pack_varlen(torch.cat([x[0] for x in got], 1), torch.cat([x[1] for x in got], 2), nb)
+        o, l = VARLEN_WINDOW[name][0](*flat, cu, mx, win - 1, scale, by_parts)
+    return o.view(nb, n, *o.shape[1:]), l.view(l.shape[0], nb, n).transpose(0, 1)
+
+
+def _run_backward(name, dout, q, k, v, out, lse, bs, run, scale):
+    """(dq, dk, dv) (B, n, ...) of a diagonal run in one varlen launch, as ``_run_forward``."""
+    qs = slice(run[0][0].start, run[-1][0].stop)
+    nb, n = q[bs].shape[0], qs.stop - qs.start
+    cu, mx = _cu(run, nb, q.device)
+    l_flat = lse[bs, :, qs].transpose(0, 1).reshape(lse.shape[1], -1).contiguous()
+    flat = [_flat(t, bs, qs) for t in (dout, q, k, v, out)]
+
+    def by_pieces(part):  # (B, n_part, ...) grads, one call a piece
+        g = [_piece_backward(name, dout[bs, p[0]], q[bs, p[0]], k[bs, p[1]], v[bs, p[1]], out[bs, p[0]],
+                             lse[bs, :, p[0]], p[2], scale) for p in part]
+        return tuple(torch.cat(x, dim=1) for x in zip(*g))
+
+    def packed(grads):  # (B, n, ...) -> the varlen layout
+        return tuple(x.reshape(-1, *x.shape[2:]) for x in grads)
+    win = _run_window(run)
+    if win is None:
+        g = VARLEN[name][1](*flat, l_flat, cu, cu, mx, mx, True, scale, lambda: packed(by_pieces(run)))
+    else:
+        def by_parts():
+            got = [_run_backward(name, dout, q, k, v, out, lse, bs, part, scale) if varlen else by_pieces(part)
+                   for part, varlen in _parts(name, run)]
+            return packed(tuple(torch.cat(x, dim=1) for x in zip(*got)))
+        g = VARLEN_WINDOW[name][1](*flat, l_flat, cu, mx, win - 1, scale, by_parts)
+    return [x.view(nb, n, *x.shape[1:]) for x in g]
+
+
+def _parts(name, run):
+    """A windowed run as it goes without a windowed varlen kernel: (pieces, in one plain varlen launch?) for each
+    ``Window`` piece alone and each stretch of causal pieces between them."""
+    out, cur = [], []
+    for p in run:
+        if isinstance(p[2], Window):
+            out += [cur, [p]] if cur else [[p]]
+            cur = []
+        else:
+            cur.append(p)
+    if cur:
+        out.append(cur)
+    return [(part, len(part) >= VARLEN_MIN_DOCS and name in VARLEN and _run_window(part) is None) for part in out]
+
+
 def _run_window(run) -> int | None:
     """The window of a diagonal run holding a ``Window`` piece (one windowed varlen call), else None."""
     return next((p[2].w for p in run if isinstance(p[2], Window)), None)
@@ -326,21 +376,7 @@ def _doc_backward(name, dout, q, k, v, out, lse, scale, docs, into=None):
                                     lse[bs, :, qs], causal, scale)
             else:
                 qs = ks = slice(item[0][0].start, item[-1][0].stop)
-                nb, n = q[bs].shape[0], qs.stop - qs.start
-                cu, mx = _cu(item, nb, q.device)
-                l_flat = lse[bs, :, qs].transpose(0, 1).reshape(lse.shape[1], -1).contiguous()
-
-                def dense(item=item):
-                    parts = [_piece_backward(name, dout[bs, p[0]], q[bs, p[0]], k[bs, p[1]], v[bs, p[1]],
-                                             out[bs, p[0]], lse[bs, :, p[0]], p[2], scale) for p in item]
-                    return tuple(torch.cat(x, dim=1).reshape(-1, *x[0].shape[2:]) for x in zip(*parts))
-                flat = [_flat(t, bs, qs) for t in (dout, q, k, v, out)]
-                win = _run_window(item)
-                if win is None:
-                    g = VARLEN[name][1](*flat, l_flat, cu, cu, mx, mx, True, scale, dense)
-                else:
-                    g = VARLEN_WINDOW[name][1](*flat, l_flat, cu, mx, win - 1, scale, dense)
-                g = [x.view(nb, n, *x.shape[1:]) for x in g]
+                g = _run_backward(name, dout, q, k, v, out, lse, bs, item, scale)
             grads[0][bs, qs] += g[0]
             grads[1][bs, ks] += g[1]
             grads[2][bs, ks] += g[2]
