@@ -448,9 +448,15 @@ def _window_blind_options(positions, length, world, window, stats, solver, per_r
     return out
 
 
+def per_token_time(tokens: int) -> float:
+    """The part of every rank's predicted time that grows with its ``tokens`` only (one full-size pass, the linear
+    work), in score elements: equal on every rank, so options leave it out and max/mean counts it in."""
+    return (STEP_TIME_PER_TOKEN + TOKEN_TIME) * tokens
+
+
 def balance(option, tokens: int) -> float:
     """Predicted max/mean rank time of an option (the per-token time, equal on every rank, counted)."""
-    fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * tokens
+    fixed = per_token_time(tokens)
     t = [x + fixed for x in option[4]]
     return max(t) / (sum(t) / len(t))
 
@@ -464,7 +470,7 @@ def pick(options, tokens: int, slack: float = BALANCE_SLACK, target: float = BAL
     slowest rank on average at 128K (nothing at 512K, where the fastest deals are balanced) and brings 27 of 40 (row,
     fit) cases under 1.05 max/mean instead of 20 (bench/packed_robust.py, docs/packed_dispatch.md)."""
     fastest = min(options, key=lambda o: o[:3])
-    fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * tokens
+    fixed = per_token_time(tokens)
     if slack <= 0 or balance(fastest, tokens) <= target:
         return fastest
     near = [o for o in options if o[0] + fixed <= (fastest[0] + fixed) * (1 + slack)]

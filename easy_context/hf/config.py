@@ -19,19 +19,27 @@ def get_rope_theta(config) -> float:
     return float(config.rope_theta)
 
 
+def sliding_window(config) -> int | None:
+    """The window the built model's local layers use, None for full attention everywhere."""
+    w = getattr(config, "sliding_window", None)
+    if not w or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and types and "sliding_attention" not in types:
+        return None
+    return int(w)
+
+
 def attention_window(config) -> int | None:
     """The sliding window of *every* attention layer (Mistral v0.1, a Qwen2 with sliding layers only), or None when
     some layer attends to the whole document (Gemma 2 / 3's global layers, no window at all). What the packed-row
     dispatch may cap each token's cost by (``ParallelLayout.dispatch_window``): a local layer's keys stop at the
     window, so long documents cost far less than their full causal square. Models mixing local and global layers are
     planned for their global ones (None): those hold the quadratic part of the cost."""
-    w = getattr(config, "sliding_window", None)
-    if not w or getattr(config, "use_sliding_window", True) is False:
-        return None
     types = getattr(config, "layer_types", None)
-    if isinstance(types, (list, tuple)) and types and any(t != "sliding_attention" for t in types):
+    if isinstance(types, (list, tuple)) and any(t != "sliding_attention" for t in types):
         return None
-    return int(w)
+    return sliding_window(config)
 
 
-__all__ = ["set_rope_theta", "get_rope_theta", "attention_window"]
+__all__ = ["set_rope_theta", "get_rope_theta", "sliding_window", "attention_window"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 
+from ...hf.config import sliding_window  # noqa: F401 (one reader of the config's window: check's and training's)
 from .case import CheckUsageError
 
 
@@ -123,14 +124,3 @@ def shrink_config(config, layers: int | None, hidden: int | None = None, interme
             notes.append(f"{k} {v} -> 0")
     config.use_cache = False
     return config, notes
-
-
-def sliding_window(config) -> int | None:
-    """The window the built model will use, None for full attention everywhere."""
-    w = getattr(config, "sliding_window", None)
-    if w is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    types = getattr(config, "layer_types", None)
-    if isinstance(types, (list, tuple)) and types and "sliding_attention" not in types:
-        return None
-    return int(w)

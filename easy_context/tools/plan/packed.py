@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ...dispatch import STEP_TIME, STEP_TIME_PER_TOKEN, TOKEN_TIME, estimate, plan_dispatch, token_costs
+from ...dispatch import STEP_TIME, estimate, per_token_time, plan_dispatch, token_costs
 from ...sharding import pair_chunks, zigzag_pairs
 
 
@@ -45,7 +45,7 @@ def layouts(pos: torch.Tensor, world: int, window: int | None = None) -> list[tu
                                                    for r in range(world)], None))
     d = plan_dispatch(pos, world, window)
     e = estimate(pos, d.cuts, d.owners, window)
-    fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * (length // world)  # per-token time, equal on every rank
+    fixed = per_token_time(length // world)
     out.append((f"dispatch {d.chunks} chunks (<= {d.per_rank} a rank)", list(e.work),
                 [t + fixed for t in e.time(STEP_TIME)]))
     return out
