@@ -21,9 +21,10 @@ RoPE theta), ``prepare.py`` (validate the arguments, build the case), ``spawn.py
 """
 from __future__ import annotations
 
+from ...hf.config import sliding_window  # the one reader of a config's window (training's too)
 from .case import INJECT, MIN_DEFAULT_LEN, RTOL_FP32, THETA_INJECT_FACTOR, Case, CheckUsageError
 from .cli import PROG, build_parser, main
-from .config import _pick_layer_types, load_user_config, set_theta, shrink_config, sliding_window
+from .config import _pick_layer_types, load_user_config, set_theta, shrink_config
 from .prepare import plan_case
 from .report import judge
 from .spawn import run_cases

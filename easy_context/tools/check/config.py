@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import os
 
-from ...hf.config import sliding_window  # noqa: F401 (one reader of the config's window: check's and training's)
 from .case import CheckUsageError
 
 

@@ -83,7 +83,7 @@ def plan_cell(family: str, mode: str, feature: str, world: int, seed: int = 0) -
     from easy_context.training.errors import UsageError
     from easy_context.training.modeling import check_rope_for_sp, set_rope_scaling
 
-    from .config import sliding_window
+    from ...hf.config import sliding_window
     config = tiny_config(family, feature)
     if feature == "window" and sliding_window(config) != WINDOW:
         raise Refused(f"{family}'s config does not apply the window")

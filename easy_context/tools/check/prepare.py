@@ -4,8 +4,9 @@ from __future__ import annotations
 import copy
 import math
 
+from ...hf.config import sliding_window
 from .case import MIN_DEFAULT_LEN, THETA_INJECT_FACTOR, Case, CheckUsageError
-from .config import _heads, load_user_config, set_theta, shrink_config, sliding_window
+from .config import _heads, load_user_config, set_theta, shrink_config
 
 
 def plan_case(args) -> tuple[Case, dict]:
