@@ -21,7 +21,6 @@ RoPE theta), ``prepare.py`` (validate the arguments, build the case), ``spawn.py
 """
 from __future__ import annotations
 
-from ...hf.config import sliding_window  # the one reader of a config's window (training's too)
 from .case import INJECT, MIN_DEFAULT_LEN, RTOL_FP32, THETA_INJECT_FACTOR, Case, CheckUsageError
 from .cli import PROG, build_parser, main
 from .config import _pick_layer_types, load_user_config, set_theta, shrink_config
@@ -31,4 +30,4 @@ from .spawn import run_cases
 
 __all__ = ["main", "build_parser", "PROG", "plan_case", "run_cases", "judge", "Case", "CheckUsageError", "INJECT",
            "RTOL_FP32", "THETA_INJECT_FACTOR", "MIN_DEFAULT_LEN", "load_user_config", "set_theta", "shrink_config",
-           "sliding_window", "_pick_layer_types"]
+           "_pick_layer_types"]
