@@ -2,10 +2,11 @@
 
 One 7B fwd+bwd at 512K takes ~10 minutes and a device session has 30, so the three runs of the median are made in
 separate sessions (`bash bench/h200_fa4.sh m512-start 1`, then `m512-wait`; the JSON comes back as `$OUT/m512.json`,
-saved as bench/results/h200_m512_<date>[_<n>].json). Runs are grouped by what was run: the options that shape the
-step (k, selective layers, head groups) and the software line; a group's spread is the run-to-run stability.
+saved as bench/results/<gpu>_m512_<date>[_<n>].json, e.g. h200_m512_2026-12-05_1.json). Runs are grouped by what
+was run: the options that shape the step (k, selective layers, head groups), the GPU and the software line; a group's
+spread is the run-to-run stability.
 
-    python bench/m512_runs.py                       # every bench/results/h200_m512_*.json
+    python bench/m512_runs.py                       # every bench/results/*_m512_*.json (H200 and H100 runs apart)
     python bench/m512_runs.py --since 2026-12-05    # only runs of that date or later (the current code)
 """
 from __future__ import annotations
@@ -38,14 +39,14 @@ def runs_of(path: str) -> list[dict]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="*", help="bench_memory JSONs (default: bench/results/h200_m512_*.json)")
+    ap.add_argument("files", nargs="*", help="bench_memory JSONs (default: bench/results/*_m512_*.json)")
     ap.add_argument("--since", default="", help="only runs dated this day or later (YYYY-MM-DD)")
     ap.add_argument("--target", type=float, default=540.0, help="the median to meet, seconds")
     a = ap.parse_args(argv)
-    files = a.files or sorted(glob.glob(os.path.join(HERE, "results", "h200_m512_*.json")))
+    files = a.files or sorted(glob.glob(os.path.join(HERE, "results", "*_m512_*.json")))
     runs = [r for f in files for r in runs_of(f) if r["date"] >= a.since]
     if not runs:
-        raise SystemExit("no 512K run in " + (", ".join(files) or "bench/results/h200_m512_*.json"))
+        raise SystemExit("no 512K run in " + (", ".join(files) or "bench/results/*_m512_*.json"))
     print("| file | date | k | sel | heads | secs | GPU peak GiB | host GiB |\n|---|---|---|---|---|---|---|---|")
     for r in runs:
         print(f"| {r['file']} | {r['date']} | {r['k']} | {r['sel']} | {r['heads']} | {r['secs']:.1f} | {r['peak']} "

@@ -1,4 +1,5 @@
-"""`python -m easy_context plan`'s model against every measured single-H200 point (CPU, no GPU).
+"""`python -m easy_context plan`'s model against every measured single-GPU point (CPU, no GPU): the H200's, and the
+H100's where a point names it.
 
 The points are the tables of docs/performance.md and docs/memory.md plus the project's design notes
 (../shared/DESIGN.md §4, outside this repo).
@@ -25,7 +26,8 @@ from easy_context.tools.plan import (C, Env, GiB, Option, gpu_constants, load_sh
 MEM_TOL, TIME_TOL = 0.15, 0.20
 K = 1024
 
-# (label, shape, L, option kwargs, GA, measured step s | None, measured GPU GiB | None, host GiB | None, source, fit)
+# (label, shape, L, option kwargs, GA, measured step s | None, measured GPU GiB | None, host GiB | None, source, fit
+#  [, gpu: "h200" when absent]); shape "name@N": the shape with N decoder layers (bench_memory --layers N)
 HF = dict(mode="data_parallel", sp=1, checkpointing="layer", chunked_loss=False, tiled_mlp=False, zero="bare",
           kernel="sdpa", fused_ops=False)
 OURS = dict(mode="zigzag_ring_attn", sp=1, checkpointing="selective", chunked_loss=True, tiled_mlp=False,
@@ -36,6 +38,7 @@ OFF = dict(mode="zigzag_ring_attn", sp=1, checkpointing="offload", chunked_loss=
 OFF4 = {**OFF, "kernel": "fa4"}
 MEM4 = "docs/memory.md Memory 2026-12-04 (bench_memory.py, fa4, head-grouped backward, late prefetch)"
 MEM5 = "docs/memory.md 2026-12-05 head-chunked attention blocks (bench_memory.py, fa4)"
+MEM6 = "docs/memory.md 2026-12-05 one H100 (bench_memory.py --auto, fa4)"
 OURS_OFF = dict(mode="zigzag_ring_attn", sp=1, checkpointing="layer", chunked_loss=False, tiled_mlp=False,
                 zero="bare", kernel="cudnn", fused_ops=False)
 ALST = dict(mode="data_parallel", sp=1, checkpointing="layer", chunked_loss=True, tiled_mlp=True, zero="bare",
@@ -84,9 +87,13 @@ POINTS = [
     ("ours ... + 8 head groups (first point) #", S7, L64, {**OFF4, "head_chunks": 8}, 1, None, 29.46, None, MEM5, ""),
     ("ours ... + 8 head groups", S7, L128, {**OFF4, "head_chunks": 8}, 1, tok(L128, 2710), 33.0, None, MEM5, ""),
     ("ours offload k=2 + 8 head groups + 16 selective layers (auto)", S7, 524288,
-     {**OFF4, "k": 2, "head_chunks": 8, "selective_layers": 16}, 1, 536.5, 129.56, 66.0, MEM5 + " 512K", ""),
+     {**OFF4, "k": 2, "head_chunks": 8, "selective_layers": 16}, 1, 536.5, 129.56, 66.0, MEM5 + " 512K", "nested"),
     ("ours offload k=3 + 8 head groups (probe)", S7, 1048576, {**OFF4, "k": 3, "head_chunks": 8}, 1, None, 120.32,
      90.0, MEM5, ""),
+    ("H100: ours offload k=2 + 8 head groups + 2 selective layers (auto)", S7, 524288,
+     {**OFF4, "k": 2, "head_chunks": 8, "selective_layers": 2}, 1, 587.0, 72.68, 66.1, MEM6, "", "h100"),
+    ("H100: ours offload k=1 + 8 head groups, 4 of the 32 layers (auto)", S7 + "@4", 1048576,
+     {**OFF4, "head_chunks": 8}, 1, 277.4, 68.09, 33.9, MEM6, "", "h100"),
     ("ours offload k=2 * +", S7, L256, {**OFF, "k": 2}, 1, tok(L256, 1284), 57.89, None, MEMB, ""),
     ("ours offload k=3 (probe) +", S7, 786432, {**OFF, "k": 3}, 1, None, 131.5, None, MEMB, ""),
     ("ALST layer+chunked+tiled", S7, L64, ALST, 1, None, 40.2, None, ALSTS, ""),
@@ -113,6 +120,8 @@ NOTES = [
     "# = the run's first point pays the one-time pinning of the host pool (no step time).",
     "auto = bench_memory --auto / train.py --checkpointing auto: k, head groups and the layers that keep their "
     "attention output (Option.selective_layers: +65 GiB here, one attention forward recompute less each).",
+    "nested = the fit point of offload_nested_extra_bytes_per_token_dim (k >= 2: +5.5 B per token x hidden that the "
+    "nested terms and the CPU census miss); H100 = bench_memory --auto on one H100 80GB, same code and software.",
     "probe = block-local attention (memory only, no time). ALST = DeepSpeed's TiledMLP/TiledFusedLogitsLoss with HF "
     "norms (not train.py's code; 64K time not reported). DESIGN train.py points: an earlier commit, cuDNN.",
     "bare = the benches' fwd+bwd step (bf16 weights, gradients, no optimizer); hf = SDPA + HF eager norms/RoPE.",
@@ -122,14 +131,17 @@ NOTES = [
 
 
 def run_point(p):
-    label, shape_name, L, kw, ga, t_meas, m_meas, h_meas, src, fit = p
+    label, shape_name, L, kw, ga, t_meas, m_meas, h_meas, src, fit, *gpu = p
     kw = dict(kw)
     k = kw.pop("k", None)
-    shape = load_shape(shape_name.removesuffix("+full"))
-    if shape_name.endswith("+full"):  # --no-sliding-window
+    name, _, layers = shape_name.partition("@")
+    shape = load_shape(name.removesuffix("+full"))
+    if name.endswith("+full"):  # --no-sliding-window
         shape = dataclasses.replace(shape, window=None)
+    if layers:
+        shape = dataclasses.replace(shape, layers=int(layers))
     opt = Option(dp=1, **kw)
-    env = Env(gpu="h200", gpus_per_node=1, nodes=1, seq_len=L, grad_accum=ga, offload_every_k=k,
+    env = Env(gpu=(gpu or ["h200"])[0], gpus_per_node=1, nodes=1, seq_len=L, grad_accum=ga, offload_every_k=k,
               host_mem_gib=10_000)
     r = predict(shape, opt, env)
     mem = r["gpu_peak_gib"] + (8 * K * L / GiB if label.endswith("*") else 0.0)
@@ -148,7 +160,7 @@ def table():
             "fit", "source"]
     rows, misses = [], 0
     for p in POINTS:
-        label, shape_name, L, kw, ga, t_meas, m_meas, h_meas, src, fit = p
+        label, shape_name, L, kw, ga, t_meas, m_meas, h_meas, src, fit = p[:10]
         shape, r, mem = run_point(p)
         mp, mq, mf = _ratio(mem, m_meas, MEM_TOL)
         tp, tq, tf = _ratio(r["step_s"], t_meas, TIME_TOL)
@@ -198,6 +210,9 @@ def fit():
     out["zero2_extra_bytes_per_param"] = C("zero2_extra_bytes_per_param") + (68.9 - r["gpu_peak_gib"]) * GiB / n3
     resid = [m - run_point(p)[2] for p in POINTS if "mem" in p[9] for m in [p[6]] if p[3].get("zero") == "bare"]
     out["fixed_gpu_gib"] = C("fixed_gpu_gib") + sum(resid) / len(resid)  # (the json clamps it at 0)
+    p = next(p for p in POINTS if "nested" in p[9])  # the k >= 2 term: the rest of the k >= 2 points are the check
+    out["offload_nested_extra_bytes_per_token_dim"] = (C("offload_nested_extra_bytes_per_token_dim")
+                                                       + (p[6] - run_point(p)[2]) * GiB / (p[2] * s7.hidden))
     for k, v in out.items():
         here = gpu_constants("h200")[k] if k == "matmul_tflops" else C(k)
         print(f"{k:36s} fitted {v:<11.4g} plan_constants.json {here}")
@@ -211,7 +226,7 @@ def main():
         fit()
         return 0
     t, misses = table()
-    print("plan model vs measured, one H200 (docs/ + DESIGN, 2026-12-02 to 12-05); ratio = predicted / measured; MISS = "
+    print("plan model vs measured, one H200 or one H100 (labels 'H100:'; docs/ + DESIGN, 2026-12-02 to 12-05); ratio = predicted / measured; MISS = "
           f"memory off by > {MEM_TOL:.0%} or time by > {TIME_TOL:.0%}\n")
     print(t)
     print()

@@ -112,6 +112,26 @@ def test_unreadable_config_exit_2(capsys, tmp_path):
         assert rc == 2 and "--model" in err and len(err.strip().splitlines()) == 1
 
 
+def test_offload_nested_term_only_at_k_ge_2():
+    """Offload k >= 2 carries the calibrated nested term (measured on an H200 and an H100 at 512K,
+    bench/plan_validation.py); k = 1 does not. At 512K bare, k = 1 peaks on the gradient side (2 B x params) and k = 2
+    on the kept side: the rebuilt input, its attention output + LSE and the term."""
+    s = plan.load_shape("llama-2-7b")
+    T = 524288
+    opt = plan.Option("zigzag_ring_attn", 1, 1, "offload", True, True, "bare", kernel="fa4", head_chunks=8)
+
+    def peak(k, gpu="h200"):
+        env = plan.Env(gpu=gpu, gpus_per_node=1, nodes=1, seq_len=T, grad_accum=1, offload_every_k=k,
+                       host_mem_gib=10_000)
+        return plan.predict(s, opt, env)["gpu_peak_gib"]
+
+    term = plan.C("offload_nested_extra_bytes_per_token_dim")
+    assert 4.0 < term < 7.0
+    kept2 = (2 * s.hidden * T + (2 * s.d_attn + 4 * s.heads) * T + term * s.hidden * T) / 2**30
+    assert abs((peak(2) - peak(1)) - (kept2 - 2 * s.params() / 2**30)) < 0.05
+    assert peak(2, "h100") == peak(2)  # memory does not depend on the card
+
+
 def test_constants_have_value_unit_source():
     data = plan.load_constants()
     entries = list(data["constants"].values()) + [v for g in data["gpus"].values() for k, v in g.items()

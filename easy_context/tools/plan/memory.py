@@ -86,6 +86,8 @@ def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
         kept += opt.selective_layers * out
     if k > 1 and mode_of(opt).supports_attention_cache:  # a nested group's rebuilt attention outputs (+ LSE), kept
         kept += (k - 1) * out  # until their layer's backward (memory/offload + attention_cache)
+    if opt.checkpointing == "offload" and k > 1:  # measured beyond the nested terms at k >= 2, same on H200 and H100
+        kept += C("offload_nested_extra_bytes_per_token_dim") * d * T
     kv_eff = kv_width(shape, opt, sp)
     ws_attn = attn_working_set(shape, opt.kernel, opt.checkpointing, T, opt.head_chunks)
     mlp_tokens = min(T, d) if opt.tiled_mlp else T
