@@ -226,8 +226,8 @@ def main():
         fit()
         return 0
     t, misses = table()
-    print("plan model vs measured, one H200 or one H100 (labels 'H100:'; docs/ + DESIGN, 2026-12-02 to 12-05); ratio = predicted / measured; MISS = "
-          f"memory off by > {MEM_TOL:.0%} or time by > {TIME_TOL:.0%}\n")
+    print("plan model vs measured, one H200 or one H100 (labels 'H100:'; docs/ + DESIGN, 2026-12-02 to 12-05); "
+          f"ratio = predicted / measured; MISS = memory off by > {MEM_TOL:.0%} or time by > {TIME_TOL:.0%}\n")
     print(t)
     print()
     for n in NOTES:
