@@ -125,9 +125,10 @@ def test_offload_nested_term_only_at_k_ge_2():
                        host_mem_gib=10_000)
         return plan.predict(s, opt, env)["gpu_peak_gib"]
 
+    from easy_context.tools.plan.memory import attn_output_bytes
     term = plan.C("offload_nested_extra_bytes_per_token_dim")
     assert 4.0 < term < 7.0
-    kept2 = (2 * s.hidden * T + (2 * s.d_attn + 4 * s.heads) * T + term * s.hidden * T) / 2**30
+    kept2 = (2 * s.hidden * T + attn_output_bytes(s, T) + term * s.hidden * T) / 2**30
     assert abs((peak(2) - peak(1)) - (kept2 - 2 * s.params() / 2**30)) < 0.05
     assert peak(2, "h100") == peak(2)  # memory does not depend on the card
 
