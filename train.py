@@ -134,7 +134,7 @@ def train(args):
             with accelerator.accumulate(model):
                 router = [] if moe_coef else None
                 nll = nll_sum(model, unwrapped, w["local_input_ids"], w["local_position_ids"],
-                              w["local_target_ids"], args.chunked_loss, router)
+                              w["local_target_ids"], args.chunked_loss, router, w.model_kwargs)
                 aux, aux_val = aux_term(router, config, moe_coef, accelerator.num_processes)
                 accelerator.backward(nll * scale + aux)  # DeepSpeed steps its optimizer + scheduler at the boundary
                 aux_window += aux_val / GA

@@ -30,31 +30,62 @@ def describe_layout(seq_algo, world_size: int, **kw) -> str:
 
 
 # prepare_seq_parallel_inputs marks the tensors it returns with the layout they were cut for; the patched
-# attention compares it with its own and refuses a mismatch (a silent wrong result otherwise).
+# attention compares it with its own and refuses a mismatch (a silent wrong result otherwise). A check only: what
+# the attention computes never depends on it (the dispatch table travels in the model call, dispatch.py).
 LAYOUT_ATTR = "_easy_context_layout"
-from .dispatch import DISPATCH_ATTR  # noqa: E402  (the packed rows' chunk table, dispatch.py)
 
 
 def shard_sequence(seq_algo, tensor: torch.Tensor, rank: int, world_size: int, dim: int = 1, **kw):
     """This rank's shard of ``tensor`` along ``dim`` in ``seq_algo``'s layout.
 
-    ``positions=`` (the batch's global position ids): packed rows (a restart at 0) are dispatched in cost-balanced
-    chunks under ``zigzag_ring_attn`` / ``usp_attn`` / ``dist_flash_attn`` (dispatch.py; the table is attached to
-    the returned tensor, where the attention reads it; ``dispatch=`` passes one); without it, or for rows without
-    restarts, the layout is the mode's fixed one (plain zigzag / contiguous). Shard every tensor of a packed batch
-    with the same ``positions=`` (``prepare_seq_parallel_inputs`` does)."""
+    ``positions=`` (the batch's global position ids): packed rows (a restart at 0) take the mode's packed cut (the
+    k-pair zigzag under zigzag_ring_attn / usp_attn); ``dispatch=`` a table (``prepared.layout.dispatch``) cuts by
+    it. Shard every tensor of a packed batch with the same ``positions=`` / ``dispatch=`` (or use
+    ``prepared.layout.shard``)."""
     _check_world(rank, world_size)
     return get_mode(seq_algo).shard(tensor, rank, world_size, dim=dim, **kw)
 
 
-def unshard_sequence(seq_algo, shards, dim: int = 1, **kw) -> torch.Tensor:
-    """Inverse of ``shard_sequence``: all ranks' shards in rank order -> the full tensor. Pass the same
-    ``positions=`` as to ``shard_sequence`` (the global positions; for the k-pair layout also the rank-order concatenation of the local
-    ones: the packed test reads the same on both)."""
+def unshard_sequence(seq_algo, shards, dim: int = 1, layout=None, **kw) -> torch.Tensor:
+    """Inverse of ``shard_sequence``: all ranks' shards in rank order -> the full tensor.
+
+    ``layout=``: the ``prepared.layout`` of ``prepare_seq_parallel_inputs`` (exact for any batch). Else pass what the
+    cut was given (``positions=`` the global position ids, ``dispatch=``); with neither, rows of a length where the
+    packed cut differs from the plain one are refused rather than guessed."""
     shards = list(shards)
     if not shards:
         raise ValueError("unshard_sequence needs at least one shard")
-    return get_mode(seq_algo).unshard(shards, dim=dim, **kw)
+    if layout is not None:
+        if kw.get("positions") is not None or kw.get("dispatch") is not None:
+            raise ValueError("unshard_sequence: pass layout= or positions=/dispatch=, not both")
+        if get_mode(seq_algo).name != layout.mode.name:
+            raise ValueError(f"unshard_sequence({get_mode(seq_algo).name!r}, layout=...): the layout is "
+                             f"{layout.describe()}")
+        return layout.unshard(shards, dim=dim)
+    mode = get_mode(seq_algo)
+    if kw.get("positions") is None and kw.get("dispatch") is None and kw.get("pairs") is None:
+        length = sum(s.shape[dim] for s in shards)
+        if _packed_cut_differs(mode, length, len(shards), kw):
+            raise ValueError(
+                f"unshard_sequence({mode.name!r}): for rows of {length} tokens on {len(shards)} ranks the cut of packed "
+                "rows (position_ids restarting at 0) differs from the plain one, and the shards do not say which was "
+                "used: pass layout=prepared.layout (what prepare_seq_parallel_inputs returned), or positions= the "
+                "global position ids the inputs were cut with")
+    return mode.unshard(shards, dim=dim, **kw)
+
+
+def _packed_cut_differs(mode, length: int, world: int, kw: dict) -> bool:
+    """Would a packed row of ``length`` tokens be cut otherwise than an unpacked one (the k-pair zigzag, k > 1)?"""
+    if world <= 1 or length < 2:
+        return False
+    half = length // 2
+    packed = torch.cat([torch.arange(half), torch.arange(length - half)]).unsqueeze(0)
+    plain = torch.arange(length).unsqueeze(0)
+    try:
+        return any(not torch.equal(mode.shard(plain, r, world, dim=1, positions=packed, **kw),
+                                   mode.shard(plain, r, world, dim=1, **kw)) for r in range(world))
+    except ValueError:  # a length the cut cannot take: the mode's own unshard says so
+        return False
 
 
 def _packed_hint(seq_algo, world_size, position_ids, kw) -> str:
@@ -70,14 +101,20 @@ def _packed_hint(seq_algo, world_size, position_ids, kw) -> str:
 
 
 def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, rank: int,
-                                world_size: int, device, **kw) -> dict:
+                                world_size: int, device, dispatch=None, **kw):
     """Shard ``(batch, seq)`` inputs for this sp rank; positions stay the true global positions.
 
-    Returns ``{"local_input_ids", "local_position_ids", "local_target_ids"}`` on ``device``
-    (targets may be ``None``). ``usp_attn`` takes ``ring_degree=``. Packed rows (positions restarting at 0) are
-    cut in the balanced k-pair layout under zigzag_ring_attn / usp_attn; unshard their outputs with
-    ``unshard_sequence(..., positions=position_ids)``.
+    Returns ``{"local_input_ids", "local_position_ids", "local_target_ids"}`` on ``device`` (targets may be
+    ``None``), a ``SeqParallelInputs`` dict with ``.layout`` (this batch's cut: ``.layout.unshard(shards, dim)``
+    is its inverse) and ``.model_kwargs``. ``usp_attn`` takes ``ring_degree=``.
+
+    Packed rows (positions restarting at 0) under zigzag_ring_attn / usp_attn are cut in the balanced k-pair
+    layout, which the attention rebuilds from the local positions: ``model(local_ids, position_ids=local_pos)``
+    needs no other argument. ``dispatch="auto"`` deals them in cost-balanced chunks instead (dispatch.py; what
+    train.py and the Trainer integration do; ``dispatch=`` a table uses that one): then pass
+    ``**prepared.model_kwargs`` to the model, the table's one route to the attention.
     """
+    from .batch_layout import BatchLayout, SeqParallelInputs
     mode = get_mode(seq_algo)
     _check_world(rank, world_size)
     if input_ids.dim() != 2:
@@ -95,34 +132,25 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
                          + _packed_hint(mode, world_size, position_ids, kw))
 
     tag = (mode.signature(world_size, **kw), describe_layout(mode, world_size, **kw))
-    # packed rows (restarts at 0): one cost-balanced dispatch table for the batch (dispatch.py), planned once and
-    # attached to every returned tensor: the attention reads it off the local position ids
-    table = mode.dispatch_of(world_size, positions=position_ids, **kw)
-    if table is not None:
-        if kw.get("dispatch") is not None:  # planned elsewhere (training/plan_ahead.py): for these positions?
-            from .dispatch import DispatchError, fingerprint
-            if table.fingerprint and table.fingerprint != fingerprint(position_ids):
-                raise DispatchError("prepare_seq_parallel_inputs(dispatch=...): the table was planned for other "
-                                    "position ids (another batch?): plan it from this batch's global position_ids "
-                                    "(get_mode(mode).dispatch_of(world, positions=...)) or leave dispatch= out")
-        kw = dict(kw, dispatch=table)
+    # packed rows: one table for the whole batch (planned once, every tensor cut by it), or None (the fixed cut)
+    table = mode.dispatch_of(world_size, positions=position_ids, dispatch=dispatch, **kw)
+    if table is not None and not isinstance(dispatch, str):  # given (training/plan_ahead.py): for these positions?
+        from .dispatch import DispatchError, fingerprint
+        if table.fingerprint and table.fingerprint != fingerprint(position_ids):
+            raise DispatchError("prepare_seq_parallel_inputs(dispatch=...): the table was planned for other "
+                                "position ids (another batch?): plan it from this batch's global position_ids "
+                                "(get_mode(mode).dispatch_of(world, positions=..., dispatch='auto')) or pass "
+                                "dispatch='auto'")
+    layout = BatchLayout(mode, world_size, dict(kw), position_ids.detach().cpu(), table)
 
     def cut(t):
         if t is None:
             return None
-        local = shard_sequence(mode, t, rank, world_size, dim=-1, positions=position_ids, **kw).to(device)
+        local = layout.shard(t, rank, dim=-1).to(device)
         if local is t:  # never tag the caller's own tensor (data_parallel / one rank return it as is)
             local = local.view_as(local)
-        elif table is not None and local._base is not None:  # a base of its own: views of it find the table there
-            local = local.clone()
         setattr(local, LAYOUT_ATTR, tag)
-        if table is not None:
-            setattr(local, DISPATCH_ATTR, table)
         return local
 
-    local_pos = cut(position_ids)
-    if table is not None:  # found again by value where a model rebuilds its position ids (dispatch.table_of)
-        from .dispatch import remember
-        remember(local_pos, table, mode.name)
-    return {"local_input_ids": cut(input_ids), "local_position_ids": local_pos,
-            "local_target_ids": cut(target_ids)}
+    return SeqParallelInputs({"local_input_ids": cut(input_ids), "local_position_ids": cut(position_ids),
+                              "local_target_ids": cut(target_ids)}, layout)

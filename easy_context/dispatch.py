@@ -8,16 +8,21 @@ its document + 1, capped by a sliding window when one is given). The greedy deal
 loaded rank with room, then pairwise swaps off the slowest rank) is the classic LPT heuristic; dealing attention
 work by a solver is the idea of MagiAttention's dispatcher (SandAI 2025), written here from scratch.
 
-The table (``Dispatch``) is a pure function of the global position ids (and W, window), so ``shard_sequence`` /
-``unshard_sequence`` with ``positions=global`` recompute the same one. The attention only sees *local* position
-ids, from which the table cannot be rebuilt (chunks of equal documents look alike), so it is carried explicitly:
-``prepare_seq_parallel_inputs`` (and the layouts' ``shard``) set it as the attribute ``DISPATCH_ATTR`` of the local
-tensors they return; Hugging Face passes ``position_ids`` unchanged down to the attention, which reads it there
-(hf.py) and checks, in the all-gather of positions it already does, that every rank carries the same table
-(``digest``). A table that does not cover every token once cannot be built (``Dispatch`` validates itself).
+The table (``Dispatch``) is a pure function of the global position ids (and W, window). The attention only sees
+*local* position ids, from which the table cannot be rebuilt (chunks of equal documents look alike), so it has one
+explicit route, like ``cu_seqlens`` in flash-attn's varlen API: ``prepare_seq_parallel_inputs(..., dispatch="auto")``
+(and ``ParallelLayout.prepare_inputs``, which train.py and the Trainer integration use) return it in
+``prepared.model_kwargs`` = ``{DISPATCH_KWARG: table}``; the caller passes those to the model, transformers hands
+its kwargs down to the attention (hf/attention.py), and the position all-gather there proves that every rank holds
+the same table (``digest``) and that it was planned for these positions (``fingerprint``). Nothing rides on
+tensors and nothing is looked up by value, so copies, ``.to(device)``, gradient accumulation and models that
+rebuild their position ids cannot lose or swap it. A table that does not cover every token once cannot be built
+(``Dispatch`` validates itself).
 
-Rows without restarts are not dispatched (plain zigzag, exactly as before). ``EASY_CONTEXT_PACKED_LAYOUT=pairs``
-restores the previous data-independent k-pair layout for packed rows.
+Rows without restarts are not dispatched (plain zigzag, exactly as before). Without ``dispatch=`` packed rows take
+the data-independent k-pair layout (sharding.py), which the attention rebuilds from the local positions alone: the
+plain ``model(local_ids, position_ids=local_pos)`` contract. ``EASY_CONTEXT_PACKED_LAYOUT=pairs`` turns the
+dispatch off where it would be the default (a ``ParallelLayout``).
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-DISPATCH_ATTR = "_easy_context_dispatch"
+DISPATCH_KWARG = "sp_dispatch"  # the model kwarg the table travels in, down to the attention
+AUTO = "auto"  # dispatch="auto": plan a table for packed rows (else the fixed layout)
 LAYOUT_ENV = "EASY_CONTEXT_PACKED_LAYOUT"
 TILE = 128               # chunk lengths are multiples of this kernel tile when the row length allows it
 MAX_PER_RANK = 16        # chunks per rank tried by the cost model (more = better balance, more kernel calls)
@@ -148,9 +154,7 @@ class Dispatch:
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         if x.shape[dim] != self.length:
             raise DispatchError(f"dispatch is for rows of {self.length} tokens; got {x.shape[dim]} along dim {dim}")
-        out = x.index_select(dim, self.rows(rank).to(x.device))
-        setattr(out, DISPATCH_ATTR, self)
-        return out
+        return x.index_select(dim, self.rows(rank).to(x.device))
 
     def unshard(self, shards, dim: int = 1) -> torch.Tensor:
         shards = list(shards)
@@ -359,9 +363,9 @@ def fingerprint(positions: torch.Tensor) -> str:
 
 def check_fingerprint(dispatch: "Dispatch", positions: torch.Tensor, what: str) -> None:
     if dispatch.fingerprint and dispatch.fingerprint != fingerprint(positions):
-        raise DispatchError(f"{what}: the dispatch table the local position ids carry was planned for other position "
-                            "ids (another batch?): pass the local tensors prepare_seq_parallel_inputs returned for "
-                            "this batch")
+        raise DispatchError(f"{what}: the dispatch table the model call carries was planned for other position ids "
+                            "(another micro-batch?): pass the model_kwargs prepare_seq_parallel_inputs returned "
+                            "with these very inputs")
 
 
 def _plan(key, length, world, window, per_rank, positions, solver="auto") -> Dispatch:
@@ -526,15 +530,33 @@ _CACHE: dict = {}  # a batch's ids, positions and targets are sharded with the s
 
 
 def resolve(world: int, positions=None, pairs=None, dispatch=None, window=None) -> Dispatch | None:
-    """The dispatch a layout uses: the one given, else planned from the global ``positions`` for packed rows (not
-    when ``pairs=`` forces the k-pair layout, nor under ``EASY_CONTEXT_PACKED_LAYOUT=pairs``)."""
-    if dispatch is not None:
-        if not isinstance(dispatch, Dispatch):
-            raise DispatchError(f"dispatch= must be an easy_context.dispatch.Dispatch; got {type(dispatch).__name__}")
+    """The dispatch a layout uses: the table given; ``dispatch="auto"``: one planned from the global ``positions`` for
+    packed rows (not when ``pairs=`` forces the k-pair layout, nor under ``EASY_CONTEXT_PACKED_LAYOUT=pairs``);
+    ``None``: none (the mode's fixed cut)."""
+    if dispatch is None:
+        return None
+    if isinstance(dispatch, Dispatch):
         return dispatch
+    if not (isinstance(dispatch, str) and dispatch == AUTO):
+        raise DispatchError(f"dispatch= must be None, {AUTO!r} or an easy_context.dispatch.Dispatch; got "
+                            f"{type(dispatch).__name__}")
     if pairs is not None or positions is None or world <= 1 or packed_layout() != "dispatch":
         return None
     return plan_dispatch(positions, world, window)
+
+
+def table_of(kwargs: dict, mode) -> "Dispatch | None":
+    """The table a model call carries (``kwargs[DISPATCH_KWARG]``), checked; None when it carries none."""
+    table = kwargs.get(DISPATCH_KWARG)
+    if table is None:
+        return None
+    if not isinstance(table, Dispatch):
+        raise DispatchError(f"{DISPATCH_KWARG}= must be the easy_context Dispatch that prepare_seq_parallel_inputs "
+                            f"returned in prepared.model_kwargs; got {type(table).__name__}")
+    if not mode.dispatches:
+        raise DispatchError(f"{mode.name} does not dispatch packed rows, but the model call carries a dispatch table "
+                            f"({DISPATCH_KWARG}=): the inputs were prepared for another mode")
+    return table
 
 
 def check_world(dispatch: Dispatch, world: int, length: int, what: str) -> None:
@@ -544,44 +566,6 @@ def check_world(dispatch: Dispatch, world: int, length: int, what: str) -> None:
                             "prepare the inputs with the same mode and degrees as the patch")
 
 
-__all__ = ["Dispatch", "DispatchError", "DISPATCH_ATTR", "LAYOUT_ENV", "plan_dispatch", "predict", "estimate", "solve",
+__all__ = ["Dispatch", "DispatchError", "DISPATCH_KWARG", "AUTO", "LAYOUT_ENV", "table_of", "plan_dispatch", "predict", "estimate", "solve",
            "resolve", "SOLVERS",
            "token_costs", "packed_layout", "check_world", "candidates"]
-
-
-# Models that rebuild their position ids (Qwen3.5's multimodal RoPE expands them into new tensors) drop the attribute
-# the table rides on. The table of the latest local position ids this process cut is kept here, keyed by their
-# content: the attention finds it again from the values it receives. The digest all-gather still proves that every
-# rank uses the same table.
-_RECENT: dict = {}
-_RECENT_MAX = 8
-
-
-def _local_key(local: torch.Tensor):
-    t = local.detach().reshape(-1, local.shape[-1])
-    return (tuple(t.shape), _hash(t.to("cpu", torch.long).numpy().tobytes()))
-
-
-def remember(local: torch.Tensor, table, mode: str) -> None:
-    """Keep ``table`` for these local position ids cut for ``mode`` (prepare_seq_parallel_inputs calls it)."""
-    if table is None:
-        return
-    _RECENT[(mode, _local_key(local))] = table
-    while len(_RECENT) > _RECENT_MAX:
-        _RECENT.pop(next(iter(_RECENT)))
-
-
-def table_of(local: torch.Tensor | None, mode) -> "Dispatch | None":
-    """The dispatch table of these local position ids under ``mode`` (a Mode): the attribute, else the one remembered
-    for their values; None for a mode whose cut never dispatches."""
-    if local is None or not mode.dispatches:
-        return None
-    table = getattr(local, DISPATCH_ATTR, None)
-    if table is None and getattr(local, "_base", None) is not None:
-        # a view of the tensor prepare_seq_parallel_inputs returned (Qwen3.5 expands it to its 4 rope rows and takes
-        # row 0): the table rides on the base. Found this way even when several prepared micro-batches share these
-        # local values but not their table (train.py prepares a step's micro-batches before running them).
-        table = getattr(local._base, DISPATCH_ATTR, None)
-    if table is None and _RECENT:
-        table = _RECENT.get((mode.name, _local_key(local)))
-    return table

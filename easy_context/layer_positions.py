@@ -13,6 +13,7 @@ from __future__ import annotations
 _ATTR = "_easy_context_layer_positions"
 # family -> its decoder layer class, called by the model without position_ids
 LAYER_CLASSES = {"granitemoehybrid": "GraniteMoeHybridDecoderLayer"}
+KEYS = ("position_ids", "sp_dispatch")  # the positions and the packed rows' table (dispatch.DISPATCH_KWARG)
 
 
 def apply(seq_algo: str, model, family: str | None) -> None:
@@ -27,11 +28,13 @@ def apply(seq_algo: str, model, family: str | None) -> None:
     seen: dict = {}
 
     def record(module, args, kwargs):
-        seen["position_ids"] = kwargs.get("position_ids")
+        for key in KEYS:
+            seen[key] = kwargs.get(key)
 
     def inject(module, args, kwargs):
-        if kwargs.get("position_ids") is None and seen.get("position_ids") is not None:
-            kwargs["position_ids"] = seen["position_ids"]
+        for key in KEYS:
+            if kwargs.get(key) is None and seen.get(key) is not None:
+                kwargs[key] = seen[key]
         return args, kwargs
 
     base = getattr(model, "base_model", model)

@@ -94,9 +94,15 @@ class Mode:
         return self._cut().signature(world_size, **kw)
 
     def dispatch_of(self, world_size: int, **kw):
-        """The packed rows' cost-balanced chunk table (dispatch.py) the cut would use, or None (fixed cut)."""
+        """The packed rows' cost-balanced chunk table (dispatch.py) the cut uses: the one given as ``dispatch=``, one
+        planned from ``positions=`` for ``dispatch="auto"``, else None (the fixed cut)."""
         planner = getattr(self._cut(), "dispatch_of", None)
-        return None if planner is None else planner(world_size, **kw)
+        if planner is None:
+            if kw.get("dispatch") is not None and not isinstance(kw["dispatch"], str):
+                from .dispatch import DispatchError
+                raise DispatchError(f"{self.name} cuts packed rows one fixed way: it takes no dispatch table")
+            return None
+        return planner(world_size, **kw)
 
     def shard(self, x, rank: int, world_size: int, dim: int = 1, **kw):
         return self._cut().shard(x, rank, world_size, dim=dim, **kw)

@@ -260,14 +260,16 @@ def _windowed(qo, qg, n, ko, kg, m, causal, w):
 
 
 def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
-                     check_rows: int | None = None) -> torch.Tensor:
+                     check_rows: int | None = None, require_table: bool = False) -> torch.Tensor:
     """The global (B, L) positions of the sequence this sp group shares, from every rank's local ones.
 
-    Packed rows are cut by their ``dispatch`` (dispatch.py; the table the local positions carry): every rank adds
-    its table's digest to the gathered tensor, so a rank without it or with another one is an error on every rank
-    alike, before anything is computed. With ``EASY_CONTEXT_PACKED_LAYOUT=pairs`` packed rows are in the k-pair
-    form of zigzag under zigzag_ring_attn / usp_attn, decided from the gathered positions in rank order
-    (``sharding.packed_rows`` reads the same there as on the global positions the inputs were sharded with)."""
+    Packed rows cut by a ``dispatch`` table (dispatch.py; the one the model call carries) are un-cut by it: every
+    rank adds its table's digest to the gathered tensor, so a rank without it or with another one is an error on
+    every rank alike, before anything is computed, and the table's fingerprint must match the gathered positions.
+    Without a table packed rows are in the mode's fixed cut (the k-pair zigzag under zigzag_ring_attn / usp_attn),
+    decided from the gathered positions in rank order (``sharding.packed_rows`` reads the same there as on the
+    global positions the inputs were sharded with). ``require_table``: the caller (a ``ParallelLayout`` patch) knows
+    packed rows come dispatched, so packed rows without a table are an error, not a guess."""
     import torch.distributed as dist
 
     digest = 0 if dispatch is None else dispatch.digest()
@@ -280,9 +282,8 @@ def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
         if len(seen) > 1:
             from .dispatch import DispatchError
             raise DispatchError(
-                f"{mode.name}: the ranks' local position ids carry different dispatch tables (digests {seen}; 0 = "
-                "none): every rank must pass the local_position_ids prepare_seq_parallel_inputs returned for the "
-                "same global batch")
+                f"{mode.name}: the ranks' model calls carry different dispatch tables (digests {seen}; 0 = none): "
+                "every rank must pass the model_kwargs prepare_seq_parallel_inputs returned for the same global batch")
         return [p[:, :-1] for p in parts]
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -291,8 +292,8 @@ def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
     if dispatch is not None:  # ``check_rows``: the leading rows that are the positions (callers may append rows)
         from .dispatch import check_fingerprint
         check_fingerprint(dispatch, full if check_rows is None else full[:check_rows], mode.name)
-    if full is not local:  # one rank in the group: nothing was cut, nothing to check
-        _check_dispatched(mode, full, dispatch)
+    if full is not local and require_table:  # one rank in the group: nothing was cut, nothing to check
+        _check_dispatched(mode, full if check_rows is None else full[:check_rows], dispatch)
     return full
 
 
@@ -309,16 +310,15 @@ def unshard_gathered(mode, parts, dispatch=None, **kw) -> torch.Tensor:
 
 
 def _check_dispatched(mode, full: torch.Tensor, dispatch) -> None:
-    """Packed rows under a dispatching mode must arrive with their table (a fixed layout would be a guess)."""
-    from .dispatch import DISPATCH_ATTR, DispatchError, packed_layout
-    if dispatch is not None or not packed_rows(full) or packed_layout() != "dispatch" or not mode.dispatches:
+    """Packed rows that a ``ParallelLayout`` dispatches must arrive with their table (a fixed cut would be a guess)."""
+    from .dispatch import DISPATCH_KWARG, DispatchError
+    if dispatch is not None or not packed_rows(full) or not mode.dispatches:
         return
     raise DispatchError(
-        f"{mode.name}: these rows are packed (position_ids restart at 0) but their local position ids carry no "
-        f"dispatch table (attribute {DISPATCH_ATTR}): pass the local_position_ids prepare_seq_parallel_inputs "
-        "returned (a copy or .to(another device) drops the table: copy it with setattr), or shard with "
-        "shard_sequence(..., positions=global_position_ids) on every rank, or set EASY_CONTEXT_PACKED_LAYOUT=pairs "
-        "on every rank for the fixed k-pair layout")
+        f"{mode.name}: these rows are packed (position_ids restart at 0) and the model was patched with a "
+        f"ParallelLayout, whose prepare_inputs deals packed rows by a dispatch table, but the model call carries none: "
+        f"pass **prepared.model_kwargs to the model ({DISPATCH_KWARG}=...), or cut with "
+        "prepare_seq_parallel_inputs(...) without dispatch= and patch with the mode name")
 
 
 def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> torch.Tensor:

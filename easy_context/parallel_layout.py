@@ -47,9 +47,15 @@ class ParallelLayout:
     # dispatch's cost model caps each token's keys by it; None: full causal costs. Set before the first batch: the
     # planner (training/plan_ahead.py) and prepare_inputs take it from layout_kw, so every rank plans alike
     dispatch_window: int | None = None
+    # packed rows: ``prepare_inputs`` deals them by a cost-balanced table (dispatch.py) that the model call carries
+    # (``prepared.model_kwargs``); False (or EASY_CONTEXT_PACKED_LAYOUT=pairs at build): the fixed k-pair cut
+    packed_dispatch: bool | None = None
 
     def __post_init__(self):
         self.mode = get_mode(self.mode)
+        if self.packed_dispatch is None:
+            from .dispatch import packed_layout
+            self.packed_dispatch = packed_layout() == "dispatch"
 
     @property
     def seq_algo(self) -> str:
@@ -174,13 +180,15 @@ class ParallelLayout:
         return shard_sequence(self.mode, tensor, self.sp_rank, self.sp, dim=dim, positions=positions,
                               **self.layout_kw)
 
-    def prepare_inputs(self, input_ids, position_ids, target_ids, device, dispatch=None) -> dict:
-        """``prepare_seq_parallel_inputs`` with this layout's sp rank, size and degrees. ``dispatch``: the packed
-        rows' table when it was planned elsewhere (training/plan_ahead.py), else planned here."""
+    def prepare_inputs(self, input_ids, position_ids, target_ids, device, dispatch=None):
+        """``prepare_seq_parallel_inputs`` with this layout's sp rank, size and degrees; packed rows dispatched
+        (``packed_dispatch``). ``dispatch``: the table when it was planned elsewhere (training/plan_ahead.py), else
+        planned here. Pass ``**prepared.model_kwargs`` to the model (the table's route to the attention)."""
         from .api import prepare_seq_parallel_inputs
-        kw = self.layout_kw if dispatch is None else dict(self.layout_kw, dispatch=dispatch)
+        if dispatch is None and self.packed_dispatch and self.mode.dispatches:
+            dispatch = "auto"
         return prepare_seq_parallel_inputs(self.mode, input_ids, position_ids, target_ids, self.sp_rank,
-                                           self.sp, device, **kw)
+                                           self.sp, device, dispatch=dispatch, **self.layout_kw)
 
     def __str__(self) -> str:
         if self.mode.hybrid:

@@ -161,7 +161,8 @@ def _sp_group(groups):
 
 def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batch=2, layout_kw=None,
                             groups=None, labels_mask=None, *, patch="instance", sp_group=None,
-                            rel=1e-5, seed=0, model_kw=None, prepare_sp_model=None, position_ids=None):
+                            rel=1e-5, seed=0, model_kw=None, prepare_sp_model=None, position_ids=None,
+                            dispatch="auto"):
     """Assert that ``seq_algo`` on this sp group reproduces single-process logits, loss and grads.
 
     rank/world_size: this process in the world (used only for messages; sp rank/size come from the sp
@@ -173,6 +174,8 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
     the reference then runs every document separately (``per_document_reference``). prepare_sp_model: called with the patched sequence-parallel model (not the
     reference) before it runs. patch: "instance" (patch the model object) or "family"
     (patch the family string, build the model after, restore with "data_parallel" at the end).
+    dispatch: how packed rows are cut: "auto" (a cost-balanced table, carried to the attention in the model call's
+    kwargs, what train.py does) or None (the fixed k-pair cut of the plain ``model(ids, position_ids=pos)`` call).
     """
     layout_kw = dict(layout_kw or {})
     groups = dict(groups or {})
@@ -216,13 +219,14 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
             prepare_sp_model(sp_model)
 
         prepared = prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, sp_rank, sp_size,
-                                               torch.device("cpu"), **layout_kw)
+                                               torch.device("cpu"), dispatch=dispatch, **layout_kw)
         # the local positions are the true global ones (RoPE stays right)
         assert torch.equal(prepared["local_position_ids"], shard_sequence(
-            seq_algo, position_ids, sp_rank, sp_size, dim=-1, positions=position_ids, **layout_kw))
+            seq_algo, position_ids, sp_rank, sp_size, dim=-1, positions=position_ids,
+            dispatch=prepared.layout.dispatch, **layout_kw))
         sp_model.zero_grad(set_to_none=True)
         logits = sp_model(prepared["local_input_ids"], position_ids=prepared["local_position_ids"],
-                          use_cache=False).logits
+                          use_cache=False, **prepared.model_kwargs).logits
         local_sum, local_n = _loss_sum_and_count(logits, prepared["local_target_ids"])
         n = local_n.clone()
         dist.all_reduce(n, group=sp_group)
@@ -234,7 +238,7 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
         dist.all_reduce(total, group=sp_group)
         gathered = [torch.empty_like(logits) for _ in range(sp_size)]
         dist.all_gather(gathered, logits.detach().contiguous(), group=sp_group)
-        full_logits = unshard_sequence(seq_algo, gathered, dim=1, positions=position_ids, **layout_kw)
+        full_logits = unshard_sequence(seq_algo, gathered, dim=1, layout=prepared.layout)
         assert_close(full_logits, ref_logits, rel, f"{tag} logits")
         assert_close(total, ref_loss, rel, f"{tag} loss")
         for name, p in sp_model.named_parameters():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from easy_context import packing, prepare_seq_parallel_inputs, shard_sequence, unshard_sequence
-from easy_context.dispatch import (DISPATCH_ATTR, LAYOUT_ENV, SOLVERS, Dispatch, DispatchError, candidates,
+from easy_context.dispatch import (DISPATCH_KWARG, LAYOUT_ENV, SOLVERS, Dispatch, DispatchError, candidates,
                                    plan_dispatch, predict, solve, tile_of, token_costs)
 from easy_context.dispatch_ring import DispatchPlan
 from easy_context.sharding import packed_rows, zigzag_shard
@@ -41,7 +41,7 @@ def test_dispatch_validates_and_round_trips():
     x = torch.arange(32).view(2, 16)
     shards = [d.shard(x, r) for r in range(2)]
     assert shards[1][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    assert getattr(shards[0], DISPATCH_ATTR) is d
+    assert not any(k.startswith("_easy_context") for k in vars(shards[0]))  # nothing rides on the tensor
     assert torch.equal(d.unshard(shards), x)
     assert d.digest() != Dispatch(16, ((0, 2), (1, 3))).digest()
 
@@ -79,27 +79,55 @@ def test_solver_and_window_costs():
     assert tile_of(131072, 8) == 128 and tile_of(48, 2) == 4 and candidates(131072, 8) == [2, 4, 8, 16]
 
 
-def test_layout_env_restores_pairs_and_dense_rows_keep_zigzag(monkeypatch):
+def test_dispatch_is_explicit_and_dense_rows_keep_zigzag(monkeypatch):
+    """The table exists only where asked for (dispatch="auto" / a table) and travels in model_kwargs; the plain
+    call cuts packed rows the fixed (k-pair) way; layout.unshard is the exact inverse either way."""
     ids = torch.arange(4096)[None]
     packed = _positions([100, 3996])
     dense = torch.arange(4096)[None]
     for r in range(2):  # rows without restarts: exactly plain zigzag, no table
-        got = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, dense, ids, r, 2, "cpu")
-        assert torch.equal(got["local_input_ids"], zigzag_shard(ids, r, 2))
-        assert not hasattr(got["local_position_ids"], DISPATCH_ATTR)
-        got = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, packed, ids, r, 2, "cpu")
-        d = getattr(got["local_position_ids"], DISPATCH_ATTR)
-        assert torch.equal(got["local_input_ids"], d.shard(ids, r))
+        got = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, dense, ids, r, 2, "cpu", dispatch="auto")
+        assert torch.equal(got["local_input_ids"], zigzag_shard(ids, r, 2)) and got.model_kwargs == {}
+        got = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, packed, ids, r, 2, "cpu")  # the plain call
+        assert got.model_kwargs == {} and torch.equal(got["local_input_ids"], zigzag_shard(ids, r, 2))
+        got = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, packed, ids, r, 2, "cpu", dispatch="auto")
+        d = got.model_kwargs[DISPATCH_KWARG]
+        assert d is got.layout.dispatch and torch.equal(got["local_input_ids"], d.shard(ids, r))
+        assert set(got) == {"local_input_ids", "local_position_ids", "local_target_ids"}
     for mode, w, kw in (("zigzag_ring_attn", 2, {}), ("dist_flash_attn", 2, {}), ("usp_attn", 4, {"ring_degree": 2}),
                         ("ulysses_attn", 4, {})):
         shards = [shard_sequence(mode, ids, r, w, positions=packed, **kw) for r in range(w)]
         assert torch.equal(unshard_sequence(mode, shards, positions=packed, **kw), ids)
+        for how in (None, "auto"):
+            preps = [prepare_seq_parallel_inputs(mode, ids, packed, ids, r, w, "cpu", dispatch=how, **kw)
+                     for r in range(w)]
+            assert torch.equal(unshard_sequence(mode, [p["local_input_ids"] for p in preps], layout=preps[0].layout),
+                               ids)
+    with pytest.raises(DispatchError, match="takes no dispatch table"):
+        prepare_seq_parallel_inputs("ulysses_attn", ids, packed, ids, 0, 2, "cpu", dispatch=plan_dispatch(packed, 2))
     monkeypatch.setenv(LAYOUT_ENV, "pairs")
-    got = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, packed, ids, 0, 2, "cpu")
-    assert not hasattr(got["local_position_ids"], DISPATCH_ATTR)
+    got = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, packed, ids, 0, 2, "cpu", dispatch="auto")
+    assert got.model_kwargs == {}
     monkeypatch.setenv(LAYOUT_ENV, "greedy")
     with pytest.raises(ValueError, match=LAYOUT_ENV):
-        prepare_seq_parallel_inputs("zigzag_ring_attn", ids, packed, ids, 0, 2, "cpu")
+        prepare_seq_parallel_inputs("zigzag_ring_attn", ids, packed, ids, 0, 2, "cpu", dispatch="auto")
+
+
+def test_unshard_refuses_to_guess_a_packed_cut(monkeypatch):
+    """unshard_sequence without layout=/positions= refuses lengths where a packed row is cut otherwise than a plain
+    one (the k-pair zigzag, k > 1) instead of silently returning rows in the wrong order."""
+    monkeypatch.setenv("EASY_CONTEXT_PAIRS_MIN_CHUNK", "64")
+    ids = torch.arange(1024)[None]
+    packed = _positions([300, 724])
+    preps = [prepare_seq_parallel_inputs("zigzag_ring_attn", ids, packed, ids, r, 2, "cpu") for r in range(2)]
+    shards = [p["local_input_ids"] for p in preps]
+    with pytest.raises(ValueError, match="layout=prepared.layout"):
+        unshard_sequence("zigzag_ring_attn", shards, dim=1)
+    assert torch.equal(unshard_sequence("zigzag_ring_attn", shards, dim=1, layout=preps[0].layout), ids)
+    assert torch.equal(unshard_sequence("zigzag_ring_attn", shards, dim=1, positions=packed), ids)
+    short = torch.arange(64)[None]  # k = 1 at this length: packed or not, plain zigzag; no refusal
+    parts = [zigzag_shard(short, r, 2) for r in range(2)]
+    assert torch.equal(unshard_sequence("zigzag_ring_attn", parts, dim=1), short)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,38 +310,45 @@ def dispatch_body(rank, world_size):
 
 
 def _bad_tables(rank, world_size, packings):
-    """Tables that disagree between ranks, or are missing on a packed row: the same clear error on every rank."""
+    """Tables that disagree between ranks, are missing where a layout dispatches, or belong to another batch: the
+    same clear error on every rank. A copy / .to() of the inputs cannot lose the table (it is not on them)."""
     import copy
 
-    from easy_context import apply_seq_parallel_monkey_patch
+    from easy_context import ParallelLayout, apply_seq_parallel_monkey_patch
     from tests.model_equiv import build_model
     model = apply_seq_parallel_monkey_patch("zigzag_ring_attn", copy.deepcopy(build_model("llama")))
     pos = next(iter(packings.values()))
     ids = torch.zeros_like(pos)
-    prep = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, pos, None, rank, world_size, "cpu")
-    local_pos = prep["local_position_ids"]
+    prep = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, pos, None, rank, world_size, "cpu", dispatch="auto")
+    d = prep.model_kwargs[DISPATCH_KWARG]
+    table = d
     if rank == 1:  # rank 1 brings another (valid) table
-        d = getattr(local_pos, DISPATCH_ATTR)
-        other = Dispatch(d.length, tuple((r,) for r in range(world_size)))  # contiguous halves / quarters
-        assert other != d
-        local_pos = local_pos.clone()
-        setattr(local_pos, DISPATCH_ATTR, other)
+        table = Dispatch(d.length, tuple((r,) for r in range(world_size)))  # contiguous halves / quarters
+        assert table != d
     with pytest.raises(DispatchError, match="different dispatch tables"):
-        model(prep["local_input_ids"], position_ids=local_pos, use_cache=False)
-    bare = prep["local_position_ids"].clone()  # a copy drops the attribute: the table is found again by value
-    model(prep["local_input_ids"], position_ids=bare, use_cache=False)
-    from easy_context import dispatch as dispatch_mod
-    dispatch_mod._RECENT.clear()  # ... unless this process never cut these positions: then a clear error
-    with pytest.raises(DispatchError, match="carry no dispatch table"):
-        model(prep["local_input_ids"], position_ids=bare.clone(), use_cache=False)
+        model(prep["local_input_ids"], position_ids=prep["local_position_ids"], use_cache=False,
+              **{DISPATCH_KWARG: table})
+    # copies of the inputs: the table travels beside them, so nothing is lost
+    model(prep["local_input_ids"].clone(), position_ids=prep["local_position_ids"].clone().to("cpu"), use_cache=False,
+          **prep.model_kwargs)
+    with pytest.raises(DispatchError, match="must be the easy_context Dispatch"):
+        model(prep["local_input_ids"], position_ids=prep["local_position_ids"], use_cache=False,
+              **{DISPATCH_KWARG: "auto"})
     # every rank carries the same table, but one planned for another batch of the same length
     other = _positions([700, 1, pos.shape[1] - 701])
-    stale = getattr(prepare_seq_parallel_inputs("zigzag_ring_attn", ids, other, None, rank, world_size, "cpu")
-                    ["local_position_ids"], DISPATCH_ATTR)
-    wrong = prep["local_position_ids"].clone()
-    setattr(wrong, DISPATCH_ATTR, stale)
+    stale = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, other, None, rank, world_size, "cpu",
+                                        dispatch="auto").model_kwargs[DISPATCH_KWARG]
     with pytest.raises(DispatchError, match="planned for other position ids"):
-        model(prep["local_input_ids"], position_ids=wrong, use_cache=False)
+        model(prep["local_input_ids"], position_ids=prep["local_position_ids"], use_cache=False,
+              **{DISPATCH_KWARG: stale})
+    # a ParallelLayout patch dispatches packed rows: a call that forgets the table is refused, not guessed
+    layout = ParallelLayout.build("zigzag_ring_attn")
+    strict = apply_seq_parallel_monkey_patch(copy.deepcopy(build_model("llama")), layout)
+    lp = layout.prepare_inputs(ids, pos, None, "cpu")
+    assert lp.model_kwargs
+    with pytest.raises(DispatchError, match="carries none"):
+        strict(lp["local_input_ids"], position_ids=lp["local_position_ids"], use_cache=False)
+    strict(lp["local_input_ids"], position_ids=lp["local_position_ids"], use_cache=False, **lp.model_kwargs)
 
 
 def test_dispatch_models_2_ranks():
@@ -400,19 +435,16 @@ def test_plan_reports_the_dispatch():
     assert "every layer windowed, 1024 tokens" in packed_report(65536, 8, 32, 128, 600.0, 1500, 1.5, 1024)
 
 
-def test_a_view_of_the_prepared_positions_finds_its_own_table_not_a_later_one():
-    """train.py prepares a step's micro-batches before running them: two of them may give a rank the same local
-    position values under different tables. A view of the prepared tensor (Qwen3.5 expands it to its rope rows and
-    takes row 0) finds its own table through its base, not the table remembered last for those values."""
-    from easy_context import dispatch as dispatch_mod
+def test_the_table_comes_from_the_call_only():
+    """Two micro-batches may give a rank the same local position values under different tables: each model call
+    names its own (the kwarg), nothing is looked up by value, and a mode that never dispatches refuses one."""
+    from easy_context.dispatch import table_of
     from easy_context.registry import get_mode
-    mode = get_mode("zigzag_ring_attn")
-    local = torch.arange(8)[None].clone()  # as prepare_seq_parallel_inputs returns it: no base of its own
+    zigzag, ulysses = get_mode("zigzag_ring_attn"), get_mode("ulysses_attn")
     first, second = Dispatch(16, ((0,), (1,))), Dispatch(16, ((0, 3), (1, 2)))
-    setattr(local, DISPATCH_ATTR, first)
-    dispatch_mod.remember(local, first, mode.name)
-    dispatch_mod.remember(local.clone(), second, mode.name)  # the next micro-batch: same values, another table
-    view = local[None, ...].expand(4, 1, -1)[0]
-    assert dispatch_mod.table_of(view, mode) is first
-    assert dispatch_mod.table_of(local.clone(), mode) is second  # a copy can only go by value: the latest
-    dispatch_mod._RECENT.clear()
+    assert table_of({DISPATCH_KWARG: first}, zigzag) is first and table_of({DISPATCH_KWARG: second}, zigzag) is second
+    assert table_of({"position_ids": torch.arange(8)}, zigzag) is None
+    with pytest.raises(DispatchError, match="does not dispatch"):
+        table_of({DISPATCH_KWARG: first}, ulysses)
+    import easy_context.dispatch as D
+    assert not hasattr(D, "_RECENT") and not hasattr(D, "remember")

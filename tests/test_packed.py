@@ -431,9 +431,11 @@ def _model_body(rank, world_size):
         usp = ParallelLayout.build("usp_attn", ring_degree=2)
         modes.append(("usp_attn", usp.layout_kw, usp.attn_groups()))
     for mode, layout_kw, groups in modes:
-        for name, pos in _packings(seq_len, world_size).items():
+        for i, (name, pos) in enumerate(_packings(seq_len, world_size).items()):
+            # both routes of packed rows in every mode: the table in the model call, and the plain fixed cut
             check_model_equivalence(rank, world_size, mode, "llama", seq_len=seq_len, layout_kw=layout_kw,
-                                    groups=groups, position_ids=pos, labels_mask="random")
+                                    groups=groups, position_ids=pos, labels_mask="random",
+                                    dispatch="auto" if i % 2 == 0 else None)
     # a family patch and qwen2 (bias) once per world size
     check_model_equivalence(rank, world_size, "zigzag_ring_attn", "qwen2", seq_len=seq_len, patch="family",
                             position_ids=_packings(seq_len, world_size)["edges off chunks"])

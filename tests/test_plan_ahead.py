@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from easy_context import prepare_seq_parallel_inputs
-from easy_context.dispatch import DISPATCH_ATTR, DispatchError
+from easy_context.dispatch import DISPATCH_KWARG, DispatchError
 from easy_context.registry import SEQ_ALGOS, get_mode
 from easy_context.training import plan_ahead
 from easy_context.training.plan_ahead import PlannedBatches, plan_table
@@ -20,7 +20,7 @@ UNDISPATCHED = next(get_mode(n) for n in SEQ_ALGOS if not get_mode(n).dispatches
 
 class _Layout:
     def __init__(self, mode, sp=4):
-        self.mode, self.sp, self.layout_kw = mode, sp, {}
+        self.mode, self.sp, self.layout_kw, self.packed_dispatch = mode, sp, {}, True
 
 
 class _Loader:
@@ -80,9 +80,9 @@ def test_a_table_planned_elsewhere_shards_exactly_like_one_planned_here():
     table = plan_table(MODE.name, 4, {}, pos)
     for rank in range(4):
         given = prepare_seq_parallel_inputs(MODE.name, inp, pos, None, rank, 4, "cpu", dispatch=table)
-        here = prepare_seq_parallel_inputs(MODE.name, inp, pos, None, rank, 4, "cpu")
+        here = prepare_seq_parallel_inputs(MODE.name, inp, pos, None, rank, 4, "cpu", dispatch="auto")
         assert torch.equal(given["local_input_ids"], here["local_input_ids"])
-        assert getattr(given["local_position_ids"], DISPATCH_ATTR) == table
+        assert given.model_kwargs[DISPATCH_KWARG] == table == here.layout.dispatch
     other = plan_table(MODE.name, 4, {}, ROWS[2]["position_ids"][:, :-1])
     with pytest.raises(DispatchError, match="dispatch=.*other position ids"):
         prepare_seq_parallel_inputs(MODE.name, inp, pos, None, 0, 4, "cpu", dispatch=other)
@@ -147,7 +147,7 @@ def test_trainer_windows_get_the_next_windows_tables_from_the_helper(monkeypatch
         want = shard_batch(dict(row), layout)  # planned here, by prepare_seq_parallel_inputs
         for k in ("input_ids", "position_ids", TARGETS):
             assert torch.equal(shard[k], want[k]), k
-        assert getattr(shard["position_ids"], DISPATCH_ATTR, None) == getattr(want["position_ids"], DISPATCH_ATTR, None)
+        assert shard.get(DISPATCH_KWARG) == want.get(DISPATCH_KWARG)
     # the first window is planned in prepare_inputs; the packed rows of the later ones by the helper
     assert planned[:2] == [False, False] and planned[2] and planned[4], planned
 
@@ -190,4 +190,4 @@ def test_the_models_window_reaches_the_helpers_planner_and_the_cut_alike():
         for rank in range(4):
             layout.rank = rank
             here = layout.prepare_inputs(inp, pos, None, "cpu")
-            assert getattr(here["local_position_ids"], DISPATCH_ATTR) == table
+            assert here.model_kwargs[DISPATCH_KWARG] == table

@@ -1,5 +1,6 @@
-"""Contiguous layout: rank r holds chunk r of W. Packed rows (``positions=`` with a restart at 0) are dispatched
-(dispatch.py: cost-balanced chunks; the attention then runs dispatch_ring instead of the LightSeq schedule)."""
+"""Contiguous layout: rank r holds chunk r of W. With ``dispatch=`` (a table, or "auto" for packed rows) the rows
+are dealt in cost-balanced chunks instead (dispatch.py; the attention then runs dispatch_ring instead of the
+LightSeq schedule)."""
 from ..dispatch import resolve
 from ..sharding import contiguous_shard, contiguous_unshard
 

@@ -49,9 +49,10 @@ def _one_document(state, batch: int, length: int):
     return hit
 
 
-def _documents(mode: Mode, groups, state, position_ids):
-    """Packed documents from the position ids (restarts at 0), one all-gather per forward: every layer of
-    the forward gets the same position tensor, so the result is cached on it (weakly, with its version)."""
+def _documents(mode: Mode, groups, state, position_ids, dispatch, require_table: bool):
+    """Packed documents from the position ids (restarts at 0), one all-gather per forward: every layer of the
+    forward gets the same position tensor and table, so the result is cached on them (weakly, with its version).
+    ``dispatch``: the table the model call carries (dispatch.DISPATCH_KWARG), None for the mode's fixed cut."""
     if position_ids is None:
         return None
     import weakref
@@ -59,11 +60,9 @@ def _documents(mode: Mode, groups, state, position_ids):
     # inference-mode tensors cannot change in place and carry no version counter
     version = None if position_ids.is_inference() else position_ids._version
     hit = state.get("docs")
-    if hit is not None and hit[0]() is position_ids and hit[1] == version:
-        return hit[2]
-    from ..dispatch import table_of
-    dispatch = table_of(position_ids, mode)  # the chunk table prepare_seq_parallel_inputs attached (or remembered)
-    global_pos = packing.gather_positions(mode, position_ids, groups, dispatch)
+    if hit is not None and hit[0]() is position_ids and hit[1] == version and hit[2] is dispatch:
+        return hit[3]
+    global_pos = packing.gather_positions(mode, position_ids, groups, dispatch, require_table=require_table)
     try:
         docs = packing.documents(global_pos)
         if docs is not None:
@@ -72,17 +71,19 @@ def _documents(mode: Mode, groups, state, position_ids):
         if dispatch is None and mode.packed_pairs and packing.packed_rows(global_pos):
             raise packing.PackedPositionsError(
                 f"{e}. (Packed rows are sharded in the balanced k-pair zigzag layout, decided from the position "
-                "ids: cut every tensor with prepare_seq_parallel_inputs, or shard_sequence(..., positions="
-                "global_position_ids); a plain zigzag shard of a long packed row looks like jumping positions.)"
+                "ids, or dealt by a dispatch table that the model call must carry: cut every tensor with "
+                "prepare_seq_parallel_inputs and pass **prepared.model_kwargs to the model; a plain zigzag shard of "
+                "a long packed row looks like jumping positions.)"
             ) from None
         raise
-    state["docs"] = (weakref.ref(position_ids), version, docs)
+    state["docs"] = (weakref.ref(position_ids), version, dispatch, docs)
     return docs
 
 
-def make_attention_fn(mode: Mode, ring_degree: int | None = None, **groups):
+def make_attention_fn(mode: Mode, ring_degree: int | None = None, require_table: bool = False, **groups):
     """An AttentionInterface function running ``mode`` (a ``Mode``: ``layout.mode``) with the bound process groups
-    (``ring_degree=``: usp_attn's groups built from the world on first use)."""
+    (``ring_degree=``: usp_attn's groups built from the world on first use). ``require_table``: packed rows must
+    come with their dispatch table (a ``ParallelLayout`` that dispatches them)."""
     fn = mode.attention_fn()
     bad = set(groups) - set(mode.group_kwargs)
     if bad:
@@ -104,7 +105,8 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, **groups):
                              "call the model with use_cache=False")
         if sliding_window is None:  # Qwen2-MoE (transformers 5.24) keeps its window on the module and windows
             sliding_window = getattr(module, "sliding_window", None)  # through the mask only, never in the call
-        docs = _documents(mode, groups, state, kwargs.get("position_ids"))
+        from ..dispatch import table_of
+        docs = _documents(mode, groups, state, kwargs.get("position_ids"), table_of(kwargs, mode), require_table)
         length = query.shape[2] * _sp_size(mode, groups)
         if sliding_window is not None and sliding_window < length:  # a local layer: same blocks, windowed
             docs = _one_document(state, query.shape[0], length) if docs is None else docs

@@ -14,7 +14,7 @@ Process groups are bound when patching (``group=`` / ``ring_group=``/``ulysses_g
 usp_attn, or a ``ParallelLayout``) and travel in the registered closure; nothing is global. Inputs cut by
 ``prepare_seq_parallel_inputs`` carry the layout they were cut for; attention run with another layout (e.g.
 USP inputs sharded for ring 2 x ulysses 2, attention patched as a pure ring) raises instead of computing a
-wrong result.
+wrong result. Packed rows' dispatch tables reach the attention in the model call's kwargs (dispatch.py).
 """
 from __future__ import annotations
 
@@ -130,20 +130,22 @@ def apply_seq_parallel_monkey_patch(seq_algo, model, ring_degree: int | None = N
         layout = seq_algo
     mode = layout.mode if isinstance(seq_algo, ParallelLayout) else get_mode(seq_algo)  # validates a name
     groups = _groups_from(mode, layout, group, ring_group, ulysses_group, ring_degree)
+    # a layout deals packed rows by a table (ParallelLayout.prepare_inputs): a model call without it is refused
+    require = bool(layout is not None and layout.packed_dispatch and mode.dispatches)
     if isinstance(model, str):
         family = model.lower()
         if family not in FAMILIES:
             raise ValueError(f"unknown model family {model!r}; valid families: {', '.join(FAMILIES)} "
                              "(or pass a transformers PreTrainedModel instance)")
-        _patch_family(mode, family, groups)
+        _patch_family(mode, family, groups, require)
         return None
     if isinstance(model, transformers.PreTrainedModel):
-        return _patch_instance(mode, model, groups)
+        return _patch_instance(mode, model, groups, require)
     raise ValueError(f"model must be a family string ({', '.join(FAMILIES)}) or a transformers "
                      f"PreTrainedModel; got {type(model).__name__}")
 
 
-def _patch_family(mode: Mode, family, groups):
+def _patch_family(mode: Mode, family, groups, require: bool = False):
     from ..recurrent.patch import refuse_family
     refuse_family(mode.name, _FAMILY_TABLE[family])  # hybrids are patched per instance (issue #30)
     check_transformers_compat(family)
@@ -161,7 +163,7 @@ def _patch_family(mode: Mode, family, groups):
         for n, f in mod._easy_context_original_masks.items():
             setattr(mod, n, f)
         return
-    fn = make_attention_fn(mode, **groups)
+    fn = make_attention_fn(mode, require_table=require, **groups)
 
     class _FamilyInterface(AttentionInterface):
         def get_interface(self, attn_implementation, default):
@@ -172,12 +174,12 @@ def _patch_family(mode: Mode, family, groups):
         setattr(mod, n, _no_mask(f))
 
 
-def _patch_instance(mode: Mode, model, groups):
+def _patch_instance(mode: Mode, model, groups, require: bool = False):
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     from ..recurrent.patch import apply as patch_recurrent_layers
-    patch_recurrent_layers(mode.name, model, groups)  # refuses layers it cannot run exactly (issue #30)
+    patch_recurrent_layers(mode.name, model, groups, require)  # refuses layers it cannot run exactly (issue #30)
     family = getattr(model.config, "model_type", None)
     family = family_of_model_type(family)
     if family in FAMILIES:
@@ -193,7 +195,7 @@ def _patch_instance(mode: Mode, model, groups):
     # transformers treats any implementation name containing "flash" as flash-attn (and tries to load
     # it), so a mode named "..._flash_..." is registered as "easy_context_..._fa_..._<id>"
     name = f"easy_context_{mode.name.replace('flash', 'fa')}_{id(model):x}"
-    AttentionInterface.register(name, make_attention_fn(mode, **groups))
+    AttentionInterface.register(name, make_attention_fn(mode, require_table=require, **groups))
 
     def mask_fn(*args, **kwargs):
         _check_mask(kwargs.get("attention_mask"))

@@ -97,5 +97,7 @@ def cut_rows(rows, layout, dispatch=None) -> dict:
     elsewhere, training/plan_ahead.py; else planned here)."""
     ids, pos, tgt = rows
     out = layout.prepare_inputs(ids, pos, tgt, ids.device, dispatch=dispatch)
+    # the packed rows' table rides in the batch as a plain object (the Trainer moves tensors only) and reaches the
+    # model as a kwarg (compute_loss)
     return {"input_ids": out["local_input_ids"], "position_ids": out["local_position_ids"],
-            TARGETS: out["local_target_ids"]}
+            TARGETS: out["local_target_ids"], **out.model_kwargs}

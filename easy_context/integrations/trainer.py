@@ -163,7 +163,7 @@ class SeqParallelTrainerMixin:
                 raise ValueError("sequence parallelism: compute_loss got a micro-batch without the window's token "
                                  "count (num_items_in_batch); micro-batches come from get_batch_samples")
             nll = nll_sum(model, unwrapped, inputs["input_ids"], inputs["position_ids"], inputs[TARGETS],
-                          self._ec_opts.chunked_loss)
+                          self._ec_opts.chunked_loss, model_kwargs=_table_kwargs(inputs))
             loss = nll * (self.accelerator.num_processes / num_items_in_batch)
         else:  # evaluation: this batch's token mean over all ranks (the same value on every rank)
             if model.training:
@@ -179,9 +179,15 @@ class SeqParallelTrainerMixin:
             n = _reduce_verdicts(count, err, device)
             with torch.no_grad():
                 nll = nll_sum(model, unwrapped, shard["input_ids"], shard["position_ids"], shard[TARGETS],
-                              self._ec_opts.chunked_loss)
+                              self._ec_opts.chunked_loss, model_kwargs=_table_kwargs(shard))
             loss = (global_sum(nll.float()) / n.to(nll.device)).detach()
         return (loss, {"loss": loss}) if return_outputs else loss
+
+
+def _table_kwargs(batch) -> dict:
+    """The packed rows' dispatch table a cut batch carries (cut_rows), as the model kwarg it travels in."""
+    from ..dispatch import DISPATCH_KWARG
+    return {DISPATCH_KWARG: batch[DISPATCH_KWARG]} if batch.get(DISPATCH_KWARG) is not None else {}
 
 
 def _sp_class(cls):

@@ -58,14 +58,14 @@ def _resets(position_ids: torch.Tensor | None, length: int) -> torch.Tensor | No
     return starts if bool(starts.any()) else None
 
 
-def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, batch: int, length: int) -> Plan:
-    """The chain's plan for a local input of ``length`` tokens (position ids (B, length) or None)."""
+def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, batch: int, length: int,
+               dispatch=None, require_table: bool = False) -> Plan:
+    """The chain's plan for a local input of ``length`` tokens (position ids (B, length) or None; ``dispatch``: the
+    packed rows' table the model call carries, the attention's cut)."""
     import torch.distributed as dist
 
     from ..packing import gather_positions
     me = _me()
-    from ..dispatch import table_of
-    dispatch = table_of(position_ids, get_mode(seq_algo))  # packed rows dealt by dispatch.py (the attention's cut)
     rows = None if position_ids is None else (1 if position_ids.dim() == 1 else position_ids.shape[0])
     if position_ids is not None and position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
@@ -79,7 +79,7 @@ def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, b
                          "to know where this rank's tokens lie in the sequence; pass position_ids= to the model")
     ids = (me * length + torch.arange(length, device=position_ids.device) + 1).unsqueeze(0)
     glob = gather_positions(get_mode(seq_algo), torch.cat([position_ids.to(ids.dtype), ids], 0), groups, dispatch,
-                            check_rows=rows)
+                            check_rows=rows, require_table=require_table)
     gid = (glob[-1] - 1).cpu()
     owner, off = (gid // length).tolist(), (gid % length).tolist()
     pieces, start = [], 0

@@ -22,9 +22,10 @@ _ATTR = "_easy_context_recurrent"
 class _Context:
     """One patched model's state: mode, groups, the current call's position ids and its cached plan."""
 
-    def __init__(self, seq_algo, groups):
-        self.seq_algo, self._groups = seq_algo, groups
+    def __init__(self, seq_algo, groups, require_table: bool = False):
+        self.seq_algo, self._groups, self.require_table = seq_algo, groups, require_table
         self.position_ids = None
+        self.dispatch = None  # the packed rows' table the current call carries (dispatch.DISPATCH_KWARG)
         self._plan = None  # (weakref to position ids, version, batch, length, Plan)
         self.hook = None
         self.layers: list = []
@@ -40,17 +41,21 @@ class _Context:
         pos = self.position_ids
         version = None if pos is None or pos.is_inference() else pos._version
         hit = self._plan
-        if hit is not None and hit[0]() is pos and hit[1:4] == (version, batch, length) and pos is not None:
-            return hit[4]
-        plan = build_plan(self.seq_algo, self.groups(), pos, batch, length)
-        self._plan = (weakref.ref(pos) if pos is not None else (lambda: None), version, batch, length, plan)
+        if hit is not None and hit[0]() is pos and hit[1:4] == (version, batch, length) and pos is not None \
+                and hit[4] is self.dispatch:
+            return hit[5]
+        plan = build_plan(self.seq_algo, self.groups(), pos, batch, length, self.dispatch, self.require_table)
+        self._plan = (weakref.ref(pos) if pos is not None else (lambda: None), version, batch, length,
+                      self.dispatch, plan)
         return plan
 
 
 def _record_positions(ctx):
+    from ..dispatch import table_of
+
     def hook(module, args, kwargs):
-        pos = kwargs.get("position_ids")
-        ctx.position_ids = pos
+        ctx.position_ids = kwargs.get("position_ids")
+        ctx.dispatch = table_of(kwargs, get_mode(ctx.seq_algo))
     return hook
 
 
@@ -84,7 +89,7 @@ def _unpatch(model) -> None:
     delattr(model, _ATTR)
 
 
-def apply(seq_algo: str, model, groups: dict) -> None:
+def apply(seq_algo: str, model, groups: dict, require_table: bool = False) -> None:
     """Patch ``model``'s recurrent layers for ``seq_algo``. ``data_parallel``: the supported layers still honour
     document restarts in position_ids (one process, one piece; identical to the plain layer on unpacked rows and
     with a cache); unsupported ones stay plain (nothing is cut)."""
@@ -96,7 +101,7 @@ def apply(seq_algo: str, model, groups: dict) -> None:
         layers = check_supported(seq_algo, model)
     if not layers:
         return
-    ctx = _Context(seq_algo, dict(groups))
+    ctx = _Context(seq_algo, dict(groups), require_table)
     base = getattr(model, "base_model", model)
     ctx.hook = base.register_forward_pre_hook(_record_positions(ctx), with_kwargs=True)
     for _, layer in layers:

@@ -56,7 +56,7 @@ def eval_loss(model, unwrapped, rows, layout, args, device) -> float:
                 tgt = torch.full_like(tgt, IGNORE_INDEX)  # filler forward: counts nothing
             w = layout.prepare_inputs(inp, pos, tgt, device)
             nll += nll_sum(model, unwrapped, w["local_input_ids"], w["local_position_ids"], w["local_target_ids"],
-                           args.chunked_loss).double()
+                           args.chunked_loss, model_kwargs=w.model_kwargs).double()
             count += (w["local_target_ids"] != IGNORE_INDEX).sum()
         return (global_sum(nll) / global_sum(count).clamp(min=1)).item()
     finally:

@@ -54,7 +54,8 @@ def make_accelerator(args):
             seconds=backstop_timeout(args.timeout)))])  # our watchdog names the silent rank first
 
 
-def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, router: list | None = None):
+def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, router: list | None = None,
+            model_kwargs: dict | None = None):
     """Forward + summed next-token NLL (fp32) of this rank's tokens; -100 targets are skipped.
 
     ``chunked``: the LM head computes the loss chunk by chunk (``easy_context.loss.chunked_lm_loss``)
@@ -62,8 +63,10 @@ def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, r
     forward*, so DeepSpeed's engine forward and ZeRO-3's module hooks (weight gather for forward and
     backward) see an ordinary call; the model then returns the NLL sum in place of its logits.
     ``router``: a list that receives the MoE router logits of this forward (for the load-balancing loss).
+    ``model_kwargs``: what the cut inputs' ``prepared.model_kwargs`` say the model call must carry (packed rows'
+    dispatch table).
     """
-    kw = {"output_router_logits": True} if router is not None else {}
+    kw = dict(model_kwargs or {}, **({"output_router_logits": True} if router is not None else {}))
     if chunked:
         with head_as_loss(unwrapped.get_output_embeddings(), targets, nll_only=True):
             out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)

@@ -41,7 +41,7 @@ def _helper_init() -> None:
 def plan_table(mode_name: str, sp: int, layout_kw: dict, positions):
     """The dispatch table ``prepare_seq_parallel_inputs`` would plan for these global (B, L) positions (or None)."""
     from ..registry import get_mode
-    return get_mode(mode_name).dispatch_of(sp, positions=positions, **layout_kw)
+    return get_mode(mode_name).dispatch_of(sp, positions=positions, dispatch="auto", **layout_kw)
 
 
 class HelperPlanner:
@@ -51,7 +51,7 @@ class HelperPlanner:
 
     def __init__(self, layout):
         self.args = (layout.mode.name, layout.sp, dict(layout.layout_kw))
-        self.on = layout.sp > 1 and layout.mode.dispatches
+        self.on = layout.sp > 1 and layout.mode.dispatches and bool(layout.packed_dispatch)
         self._pool = None
         self.planned_here = 0           # tables this process had to plan itself (first step, or a lost helper)
 

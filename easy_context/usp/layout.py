@@ -46,11 +46,7 @@ def shard(x, rank, world_size, dim=1, ring_degree=None, positions=None, pairs=No
         local = d.shard(x, rank // u, dim)
     else:
         local = pairs_shard(x, rank // u, r, pairs_of(x.shape[dim], r, positions, pairs), dim)
-    out = contiguous_shard(local, rank % u, u, dim)
-    if d is not None:
-        out = out.view_as(out)  # (a view of the ring rank's piece: tagged on its own)
-        setattr(out, "_easy_context_dispatch", d)
-    return out
+    return contiguous_shard(local, rank % u, u, dim)
 
 
 def unshard(shards, dim=1, ring_degree=None, positions=None, pairs=None, dispatch=None, window=None, **_):

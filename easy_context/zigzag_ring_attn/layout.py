@@ -4,8 +4,8 @@ Packed rows (``positions=`` with a restart at 0) use the finer k-pair form of th
 2Wk chunks, rank r holds the mirrored pairs {i, 2Wk-1-i : i mod W == r}); k = ``zigzag_pairs(L, W)``, 1 for
 every row without restarts. ``pairs=`` forces k (tests, benchmarks).
 
-By default packed rows are dispatched instead (dispatch.py: cost-balanced chunks, the table planned from the global
-``positions=`` or given as ``dispatch=``); the k-pair form stays for ``pairs=`` and EASY_CONTEXT_PACKED_LAYOUT=pairs.
+With ``dispatch=`` a table (or ``"auto"``: planned from the global ``positions=``) packed rows are dealt in
+cost-balanced chunks instead (dispatch.py); ``pairs=`` and EASY_CONTEXT_PACKED_LAYOUT=pairs keep the k-pair form.
 """
 from ..dispatch import resolve
 from ..sharding import layout_pairs, pairs_shard, pairs_unshard

@@ -164,7 +164,7 @@ def run_case(case, send=lambda payload: None) -> dict | None:
     import torch.distributed as dist
     import transformers as tf
 
-    from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs, unshard_sequence
+    from easy_context import apply_seq_parallel_monkey_patch, unshard_sequence
     from easy_context.parallel_layout import ParallelLayout
 
     # new_group is collective: every rank builds both layouts in the same order
@@ -202,11 +202,10 @@ def run_case(case, send=lambda payload: None) -> dict | None:
     vocab = base.config.vocab_size
     input_ids, position_ids, target_ids = make_batch(case.batch, case.seq_len, vocab,
                                                      case.seed + 1 + layout.dp_rank, case.packed)
-    prepared = prepare_seq_parallel_inputs(case.mode, input_ids, position_ids, target_ids, layout.sp_rank,
-                                           layout.sp, torch.device("cpu"), **layout.layout_kw)
+    prepared = layout.prepare_inputs(input_ids, position_ids, target_ids, torch.device("cpu"))  # as train.py cuts
     sp_model.zero_grad(set_to_none=True)
     out = sp_model(prepared["local_input_ids"], position_ids=prepared["local_position_ids"], use_cache=False,
-                   **({"output_router_logits": True} if case.moe_aux else {}))
+                   **prepared.model_kwargs, **({"output_router_logits": True} if case.moe_aux else {}))
     logits = out.logits
     local_sum, local_n = token_nll_sum(logits, prepared["local_target_ids"])
     loss = local_sum / global_count(local_n, sp_group)  # the global token mean, whatever this rank holds
@@ -223,7 +222,7 @@ def run_case(case, send=lambda payload: None) -> dict | None:
     if not root:
         return None
 
-    full_logits = unshard_sequence(case.mode, gathered, dim=1, positions=position_ids, **layout.layout_kw)
+    full_logits = unshard_sequence(case.mode, gathered, dim=1, layout=prepared.layout)  # the cut's exact inverse
     ref_logits, ref_loss, ref_grads = reference_step(ref, input_ids, position_ids, target_ids, case.packed,
                                                      case.moe_aux)
     grad_diffs = {name: diff(grads[name], ref_grads[name]) for name in ref_grads}
