@@ -50,6 +50,7 @@ def train(args):
     from tqdm.auto import tqdm
 
     from easy_context import apply_seq_parallel_monkey_patch
+    from easy_context.hf.route import check_config_routable
     from easy_context.training import checkpoint as ckpt
     from easy_context.training.data import forever, load_any_dataset, make_loader, validate_packed
     from easy_context.training.evaluate import due, eval_loss, load_eval_rows
@@ -66,6 +67,10 @@ def train(args):
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
     config = load_config(args.model, args.rope_theta, args)  # + --rope-scaling
+    try:  # a layer the patch cannot route: one line, before any collective
+        check_config_routable(config, args.parallel_mode)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     moe_coef = aux_coef(config, args)  # MoE router load-balancing loss (0 = off)
     if args.save_rope_theta is None:  # the theta trained with (the model's own when --rope-theta is unset)
         args.save_rope_theta = get_rope_theta(config)

@@ -178,6 +178,9 @@ class SeqParallelLM:
                              f"seq_algo/groups/ring_degree, not both (got seq_algo={seq_algo!r}, "
                              f"ring_degree={ring_degree})")
         mode = layout.mode if layout is not None else get_mode(seq_algo or DEFAULT_MODE)
+        if mode.is_parallel:  # a layer the AttentionInterface does not reach: refused, never silently wrong
+            from .hf.route import check_routable
+            check_routable(model, mode.name)
         self.model, self.mode, self.chunk_tokens = model, mode, chunk_tokens
         if groups is None:
             layout = layout or ParallelLayout.build(mode, ring_degree=ring_degree)

@@ -22,6 +22,29 @@ def add_flags(p) -> None:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--output-dir", default=None)
+    p.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoints every N steps (0: none)")
+    p.add_argument("--resume", default=None, help="a checkpoint dir to resume from, or 'latest' (in --output-dir)")
+    p.add_argument("--report", default=None, help="write the loss curve and the trained weights here (torch.save)")
+
+
+def checkpoint_args(args) -> dict:
+    """TrainingArguments for --save-steps."""
+    return dict(save_strategy="steps", save_steps=args.save_steps) if args.save_steps else dict(save_strategy="no")
+
+
+def train_and_report(trainer, args) -> None:
+    """trainer.train() (resumed with --resume), then the losses on rank 0 (and --report: losses + weights)."""
+    resume = True if args.resume == "latest" else args.resume
+    trainer.train(resume_from_checkpoint=resume)
+    if trainer.is_world_process_zero():
+        curve = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        print("losses:", [round(x, 5) for x in curve])
+        if args.report:
+            import torch
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+            torch.save({"loss": curve, "params": params}, args.report + ".tmp")
+            os.replace(args.report + ".tmp", args.report)
 
 
 def tiny_tokenizer():

@@ -16,7 +16,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from examples.common import add_flags, load_model, lora, sp_options, tiny_tokenizer  # noqa: E402
+from examples.common import (add_flags, checkpoint_args, load_model, lora, sp_options, tiny_tokenizer,  # noqa: E402
+                             train_and_report)
 
 
 def documents(args, tok):
@@ -48,16 +49,14 @@ def main():
     targs = TrainingArguments(
         output_dir=args.output_dir or os.path.join("output", "trainer_sp"), max_steps=args.max_steps,
         per_device_train_batch_size=args.docs_per_row, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.lr, logging_steps=1, save_strategy="no", report_to="none", bf16=args.bf16,
+        learning_rate=args.lr, logging_steps=1, report_to="none", bf16=args.bf16, **checkpoint_args(args),
         use_cpu=args.tiny, gradient_checkpointing=args.gradient_checkpointing, seed=0)
     # padding-free: the collator flattens a batch of documents into one row, position_ids restarting at each one
     trainer = Trainer(model=model, args=targs, train_dataset=docs,
                       data_collator=DataCollatorWithFlattening(), processing_class=tok)
     if not args.no_sp:
         enable_sequence_parallel(trainer, **sp_options(args))  # <- SP
-    trainer.train()
-    if trainer.is_world_process_zero():
-        print("losses:", [round(h["loss"], 5) for h in trainer.state.log_history if "loss" in h])
+    train_and_report(trainer, args)
 
 
 if __name__ == "__main__":

@@ -225,7 +225,8 @@ def _train_py_loop(rank, world_size, tok, root, refs):
         scale = W * GA / n_tokens
         nll_window = torch.zeros(())
         for w in window:
-            nll = nll_sum(model, model, w["local_input_ids"], w["local_position_ids"], w["local_target_ids"], False)
+            nll = nll_sum(model, model, w["local_input_ids"], w["local_position_ids"], w["local_target_ids"], False,
+                          model_kwargs=w.model_kwargs)
             (nll * scale / GA).backward()  # Accelerate divides by GA ...
             nll_window += nll.detach()
         for p in model.parameters():  # ... and DDP averages over the W ranks

@@ -21,8 +21,8 @@ class DataParallelMode(Mode):
     def split(self, sp, ring_degree):
         return 1, 1
 
-    def gather_positions(self, local, groups, gather):
-        return local
+    def gather_positions(self, local, groups, gather, dispatch=None):
+        return local  # nothing was cut (the base signature: packing.gather_positions passes dispatch=)
 
     def plan_problem(self, heads, length, sp, ring):
         return None if sp == 1 else "data_parallel has sp = 1"

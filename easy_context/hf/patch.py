@@ -179,6 +179,9 @@ def _patch_instance(mode: Mode, model, groups, require: bool = False):
     from transformers.modeling_utils import AttentionInterface
 
     from ..recurrent.patch import apply as patch_recurrent_layers
+    if mode.is_parallel:  # every attention layer through the AttentionInterface, every recurrent one adapted
+        from .route import check_routable
+        check_routable(model, mode.name)
     patch_recurrent_layers(mode.name, model, groups, require)  # refuses layers it cannot run exactly (issue #30)
     family = getattr(model.config, "model_type", None)
     family = family_of_model_type(family)

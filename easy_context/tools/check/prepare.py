@@ -34,6 +34,12 @@ def plan_case(args) -> tuple[Case, dict]:
                               "(it shards for one ring degree and runs another)")
 
     config = load_user_config(args.model)
+    if layout.mode.is_parallel:  # a layer the patch cannot route: refused by name before any rank starts
+        from easy_context.hf.route import check_config_routable
+        try:
+            check_config_routable(config, layout.mode.name)
+        except ValueError as e:
+            raise CheckUsageError(str(e)) from None
     if not hasattr(config, "num_attention_heads") or not hasattr(config, "hidden_size"):
         raise CheckUsageError(f"--model {args.model!r}: {type(config).__name__} is not a decoder-only text "
                               "config (no num_attention_heads / hidden_size)")
