@@ -39,7 +39,7 @@ def main():
             ids = torch.zeros_like(pos)
             dispatch._CACHE.clear()  # a new batch: nothing planned yet
             t = time.perf_counter()
-            prepare_seq_parallel_inputs(mode.name, ids, pos, ids, 0, args.world, "cpu")
+            prepare_seq_parallel_inputs(mode.name, ids, pos, ids, 0, args.world, "cpu", dispatch="auto")
             here.append(time.perf_counter() - t)
             table = plan_table(mode.name, args.world, {}, pos)
             dispatch._CACHE.clear()
