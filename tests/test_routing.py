@@ -69,3 +69,16 @@ def test_train_py_and_check_refuse_before_any_rank(tmp_path):
                          timeout=300)
     assert out.returncode == 2 and layer in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+def test_enable_sequence_parallel_refuses_before_reading_heads(tmp_path):
+    """The Trainer door: a Bloom (and a Mamba, which has no num_attention_heads) is named, not an AttributeError."""
+    from transformers import Trainer, TrainingArguments
+
+    from easy_context.integrations import enable_sequence_parallel
+    for family in ("bloom", "mamba"):
+        make, layer = UNROUTABLE[family]
+        trainer = Trainer(model=_model(make()), args=TrainingArguments(output_dir=str(tmp_path / family),
+                                                                       use_cpu=True, report_to="none"))
+        with pytest.raises(ValueError, match=layer):
+            enable_sequence_parallel(trainer, mode="zigzag_ring_attn")
