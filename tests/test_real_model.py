@@ -9,8 +9,9 @@ and say why; a missing ``gguf`` package is a failure (``make test`` installs it:
 Checked, on real weights and real text (the standard library's argparse.py, tokenized by the model's tokenizer):
 * the converted model answers "What is the capital of France?" with Paris (chat template from the GGUF),
 * 2 gloo ranks, float32, 1024 tokens: zigzag_ring_attn, dist_flash_attn and usp_attn (ring 2 x ulysses 1) give
-  the logits, the token-mean loss and all 272 parameter gradients of one process (relative error <= 1e-5,
-  tests/tols.assert_close; the measured errors are printed),
+  the logits and the token-mean loss (relative error <= 1e-5, tests/tols.assert_close) and all 272 parameter
+  gradients (<= 3e-5: this model's own float32 floor is ~1e-5, see GRAD_REL) of one process; the measured errors
+  are printed (``-s``),
 * the combinations the heads refuse (9 q / 3 kv heads: a Ulysses degree of 2 divides neither) are refused before
   any collective, with the largest valid degree in the message; ``slow``: ulysses_attn on 3 ranks, where it fits,
 * ``python -m easy_context check --model DIR`` passes on the converted directory (its config, shrunk).
@@ -62,8 +63,16 @@ def _real_batch(tokenizer, n: int):
 
 
 def _rel(a, e) -> float:
-    a, e = a.detach().double(), e.detach().double()
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+    """||a - e|| / ||e||, the norms accumulated in float64 (without float64 copies of 135M-element tensors)."""
+    diff = torch.linalg.vector_norm((a.detach() - e.detach()).float(), dtype=torch.float64)
+    return float(diff / torch.linalg.vector_norm(e.detach().float(), dtype=torch.float64).clamp_min(1e-30))
+
+
+def _check(a, e, rel, name):
+    """_rel within ``rel``; a failure goes through tests/tols.assert_close for its max/mean-diff message."""
+    if not _rel(a, e) <= rel:
+        from tests.tols import assert_close
+        assert_close(a, e, rel, name)
 
 
 # (mode, layout kwargs): every sp mode the 9 q / 3 kv heads allow on 2 ranks
@@ -71,7 +80,8 @@ CASES = (("zigzag_ring_attn", {}), ("dist_flash_attn", {}), ("usp_attn", {"ring_
 
 
 def _modes_body(rank, world, model_dir, seq_len, cases, out_path):
-    """Rank 0 runs one process's full forward/backward; then each case runs on both ranks and rank 0 compares."""
+    """Rank 0 runs one process's full forward/backward; then each case runs on every rank, the logits are gathered
+    and the gradients summed on rank 0 (one flat buffer), which compares them with the reference."""
     import copy
 
     import torch.distributed as dist
@@ -79,20 +89,23 @@ def _modes_body(rank, world, model_dir, seq_len, cases, out_path):
 
     from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs, unshard_sequence
     from tests.model_equiv import _loss_sum_and_count, reference_step
-    from tests.tols import assert_close
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").train()
     inp, pos, tgt = _real_batch(tok, seq_len)
     t0 = time.time()
-    ref = reference_step(model, inp, pos, tgt) if rank == 0 else None  # the other rank waits at the barrier
+    if rank == 0:  # the other ranks wait at the barrier: their cores go to the reference
+        torch.set_num_threads(world)
+        ref = reference_step(model, inp, pos, tgt)
+        torch.set_num_threads(1)
     dist.barrier()
     report = {"reference_seconds": round(time.time() - t0, 1)}
     sp_model = copy.deepcopy(model)
     del model
+    names = [n for n, _ in sp_model.named_parameters()]
     for mode, kw in cases:
         t0 = time.time()
-        tag = f"[SmolLM2-135M {mode} {kw or ''} W={world} rank {rank}]"
+        tag = f"[SmolLM2-135M {mode} {kw or ''} W={world}]"
         apply_seq_parallel_monkey_patch(mode, sp_model, **kw)
         p = prepare_seq_parallel_inputs(mode, inp, pos, tgt, rank, world, torch.device("cpu"), **kw)
         sp_model.zero_grad(set_to_none=True)
@@ -102,28 +115,32 @@ def _modes_body(rank, world, model_dir, seq_len, cases, out_path):
         dist.all_reduce(n)
         loss = local_sum / n
         loss.backward()
+        t_step = time.time() - t0
         total = loss.detach().clone()
         dist.all_reduce(total)
-        parts = [torch.empty_like(logits) for _ in range(world)]
-        dist.all_gather(parts, logits.detach().contiguous())
-        grads = {}
-        for name, prm in sp_model.named_parameters():
-            g = prm.grad.detach().clone()
-            dist.all_reduce(g)
-            grads[name] = g
+        parts = [torch.empty_like(logits) for _ in range(world)] if rank == 0 else None
+        dist.gather(logits.detach().contiguous(), parts, dst=0)
+        params = dict(sp_model.named_parameters())
+        flat = torch.cat([params[k].grad.reshape(-1) for k in names])
+        dist.reduce(flat, dst=0)
         if rank == 0:
             ref_logits, ref_loss, ref_grads = ref
             full = unshard_sequence(mode, parts, dim=1, **kw)
-            errs = {name: _rel(grads[name], ref_grads[name]) for name in ref_grads}
+            grads, off = {}, 0
+            for k in names:
+                grads[k] = flat[off:off + params[k].numel()].view_as(params[k])
+                off += params[k].numel()
+            errs = {k: _rel(grads[k], ref_grads[k]) for k in names}
             worst = max(errs, key=errs.get)
             report[f"{mode}{'' if not kw else ' ' + str(kw)}"] = {
                 "logits_rel": _rel(full, ref_logits), "loss_rel": _rel(total, ref_loss),
                 "grad_rel_max": errs[worst], "grad_rel_max_param": worst, "loss": float(ref_loss),
-                "seconds": round(time.time() - t0, 1)}
-            assert_close(full, ref_logits, REL, f"{tag} logits")
-            assert_close(total, ref_loss, REL, f"{tag} loss")
-            for name in ref_grads:
-                assert_close(grads[name], ref_grads[name], GRAD_REL, f"{tag} grad {name}")
+                "seconds": round(time.time() - t0, 1), "step_seconds": round(t_step, 1)}
+            _check(full, ref_logits, REL, f"{tag} logits")
+            _check(total, ref_loss, REL, f"{tag} loss")
+            for k in names:
+                if errs[k] > GRAD_REL:
+                    _check(grads[k], ref_grads[k], GRAD_REL, f"{tag} grad {k}")
         dist.barrier()
     apply_seq_parallel_monkey_patch("data_parallel", sp_model)
     if rank == 0:
@@ -159,7 +176,7 @@ def test_modes_equal_one_process(smollm2_dir, tmp_path):
           f"(reference {ref_s} s)")
     for mode, r in report.items():
         print(f"  {mode:<30} logits {r['logits_rel']:.2e}  loss {r['loss_rel']:.2e}  grads max {r['grad_rel_max']:.2e} "
-              f"({r['grad_rel_max_param']})  loss {r['loss']:.4f}  {r['seconds']} s")
+              f"({r['grad_rel_max_param']})  loss {r['loss']:.4f}  {r['seconds']} s (step {r['step_seconds']} s)")
 
 
 def test_heads_refuse_ulysses_degree_2(smollm2_dir):
