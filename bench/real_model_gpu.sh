@@ -13,8 +13,10 @@
 #   bash bench/real_model_gpu.sh report       # summary.md again from what /tmp/real holds                  ~5 s
 # Evals: eval_needle.py 4K..64K (step NEEDLE_STEP=4096) x depth 0..1 (0.1), chat template, the CPython docs'
 # prose as haystack; eval_ppl.py on the held-out long documents (first 1K..64K tokens, doubling -> loss by position);
-# bench/real_model_probe.py generate (greedy answers to short chat prompts). A stage stopped by its time limit
-# (TIME_LIMIT, 540 s) keeps a checkpoint: `stage N` again resumes it. STEPS1..3 / LR pass to the recipe.
+# bench/real_model_probe.py generate (greedy answers to short chat prompts). Needle answers get 32 new tokens: the
+# instruct model restates the question first ("The special magic Singapore number is: N" is already 15 tokens).
+# A stage stopped by its time limit (TIME_LIMIT, 540 s) keeps a checkpoint: `stage N` again resumes it.
+# STEPS1..3 / LR pass to the recipe.
 # Smaller grids (a CPU smoke run of keep/setup/before): NEEDLE_MIN/NEEDLE_MAX/NEEDLE_STEP, DEPTH, PPL_MIN/PPL_MAX;
 # REAL_DIR (default /tmp/real), SITE (where the wheels go, default /tmp/site), OUT (default REAL_DIR/out).
 set -euo pipefail
@@ -66,7 +68,7 @@ evals() {  # MODEL NAME NOTE [needle|no-needle]: results in $R/results/NAME (kep
     t0=$(date +%s)
     logged "$d/needle.log" python3 eval_needle.py --model "$m" --min_context_length "${NEEDLE_MIN:-4096}" \
       --max_context_length "${NEEDLE_MAX:-65536}" --context_interval "${NEEDLE_STEP:-4096}" --depth_interval "${DEPTH:-0.1}" --num_samples 1 --haystack_dir "$R/text/haystack" \
-      --chat-template --parallel_mode zigzag_ring_attn --output-dir "$d"
+      --chat-template --max_new_tokens 32 --parallel_mode zigzag_ring_attn --output-dir "$d"
     grep -E "^length |^Average" "$d/needle.log" || true
     echo "== eval_needle $name: $(( $(date +%s) - t0 )) s"
   fi

