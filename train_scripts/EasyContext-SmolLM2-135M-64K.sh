@@ -23,10 +23,11 @@
 # tokenizer; ~1 epoch per stage), packed by prepare_data.py (docs/real-model.md); bench/real_model_gpu.sh runs it all.
 #
 # Settings from the environment: MODEL (the converted model dir), DATA_8K / DATA_32K / DATA_64K, OUT (default
-# output), STAGES (default "1 2 3"), STEPS1..STEPS3, LR, TIME_LIMIT (seconds per stage, default 540: then train.py
-# gets SIGTERM, saves a checkpoint and exits 75; running again resumes it), CKPT_EVERY (default 0: none besides that
-# one), LAUNCH (default python3; e.g. "accelerate launch --config_file accelerate_configs/single_gpu.yaml" for
-# DeepSpeed), DRY_RUN=1 (print the commands). Re-running skips finished stages and resumes an interrupted one.
+# output), STAGES (default "1 2 3"), STEPS1..STEPS3, SEQ1..SEQ3 and GA1..GA3 (for a small smoke run), LR,
+# TIME_LIMIT (seconds per stage, default 540: then train.py gets SIGTERM, saves a checkpoint and exits 75; running
+# again resumes it), CKPT_EVERY (default 0: none besides that one), LAUNCH (default python3; e.g. "accelerate launch
+# --config_file accelerate_configs/single_gpu.yaml" for DeepSpeed), DRY_RUN=1 (print the commands). Re-running
+# skips finished stages and resumes an interrupted one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,7 +64,7 @@ stage() {
 }
 
 S=$OUT/smollm2-135m
-stage 1 "$S-8K-rope-5e5"  "$MODEL"           8192  500000  "${STEPS1:-110}" 8 "$DATA_8K"  2024
-stage 2 "$S-32K-rope-2e6" "$S-8K-rope-5e5"  32768  2000000 "${STEPS2:-80}"  2 "$DATA_32K" 2025
-stage 3 "$S-64K-rope-5e6" "$S-32K-rope-2e6" 65536  5000000 "${STEPS3:-60}"  1 "$DATA_64K" 2026
+stage 1 "$S-8K-rope-5e5"  "$MODEL"          "${SEQ1:-8192}"  500000  "${STEPS1:-110}" "${GA1:-8}" "$DATA_8K"  2024
+stage 2 "$S-32K-rope-2e6" "$S-8K-rope-5e5"  "${SEQ2:-32768}" 2000000 "${STEPS2:-80}"  "${GA2:-2}" "$DATA_32K" 2025
+stage 3 "$S-64K-rope-5e6" "$S-32K-rope-2e6" "${SEQ3:-65536}" 5000000 "${STEPS3:-60}"  "${GA3:-1}" "$DATA_64K" 2026
 echo "final model: $S-64K-rope-5e6"
