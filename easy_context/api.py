@@ -135,7 +135,7 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
     # packed rows: one table for the whole batch (planned once, every tensor cut by it), or None (the fixed cut)
     table = mode.dispatch_of(world_size, positions=position_ids, dispatch=dispatch, **kw)
     if table is not None and not isinstance(dispatch, str):  # given (training/plan_ahead.py): for these positions?
-        from .dispatch import DispatchError, fingerprint
+        from .dispatch_table import DispatchError, fingerprint
         if table.fingerprint and table.fingerprint != fingerprint(position_ids):
             raise DispatchError("prepare_seq_parallel_inputs(dispatch=...): the table was planned for other "
                                 "position ids (another batch?): plan it from this batch's global position_ids "

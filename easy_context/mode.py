@@ -99,7 +99,7 @@ class Mode:
         planner = getattr(self._cut(), "dispatch_of", None)
         if planner is None:
             if kw.get("dispatch") is not None and not isinstance(kw["dispatch"], str):
-                from .dispatch import DispatchError
+                from .dispatch_table import DispatchError
                 raise DispatchError(f"{self.name} cuts packed rows one fixed way: it takes no dispatch table")
             return None
         return planner(world_size, **kw)

@@ -54,7 +54,7 @@ class ParallelLayout:
     def __post_init__(self):
         self.mode = get_mode(self.mode)
         if self.packed_dispatch is None:
-            from .dispatch import packed_layout
+            from .dispatch_table import packed_layout
             self.packed_dispatch = packed_layout() == "dispatch"
 
     @property

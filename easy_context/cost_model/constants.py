@@ -6,7 +6,8 @@ import json
 import os
 
 GiB = 2**30
-CONSTANTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan_constants.json")
+CONSTANTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                              "plan_constants.json")
 CHECKPOINTING = ("layer", "selective", "offload")
 # train.py-usable DeepSpeed set-ups (bench/plan_validation.py also uses "bare": bf16 weights + gradients that
 # appear during backward, no optimizer = the benches' fwd+bwd step)

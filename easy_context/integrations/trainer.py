@@ -186,7 +186,7 @@ class SeqParallelTrainerMixin:
 
 def _table_kwargs(batch) -> dict:
     """The packed rows' dispatch table a cut batch carries (cut_rows), as the model kwarg it travels in."""
-    from ..dispatch import DISPATCH_KWARG
+    from ..dispatch_table import DISPATCH_KWARG
     return {DISPATCH_KWARG: batch[DISPATCH_KWARG]} if batch.get(DISPATCH_KWARG) is not None else {}
 
 
