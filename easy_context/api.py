@@ -46,6 +46,12 @@ def shard_sequence(seq_algo, tensor: torch.Tensor, rank: int, world_size: int, d
     return get_mode(seq_algo).shard(tensor, rank, world_size, dim=dim, **kw)
 
 
+def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> torch.Tensor:
+    """Global indices of ``rank``'s local rows in ``seq_algo``'s layout (a sequence of ``length``; ``positions=``
+    / ``pairs=`` / ``ring_degree=`` as for ``shard_sequence``)."""
+    return shard_sequence(seq_algo, torch.arange(length), rank, world, dim=0, **kw)
+
+
 def unshard_sequence(seq_algo, shards, dim: int = 1, layout=None, **kw) -> torch.Tensor:
     """Inverse of ``shard_sequence``: all ranks' shards in rank order -> the full tensor.
 

@@ -321,11 +321,4 @@ def _check_dispatched(mode, full: torch.Tensor, dispatch) -> None:
         "prepare_seq_parallel_inputs(...) without dispatch= and patch with the mode name")
 
 
-def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> torch.Tensor:
-    """Global indices of ``rank``'s local rows in ``seq_algo``'s layout (a sequence of ``length``; ``positions=``
-    / ``pairs=`` / ``ring_degree=`` as for ``shard_sequence``)."""
-    from .api import shard_sequence
-    return shard_sequence(seq_algo, torch.arange(length), rank, world, dim=0, **kw)
-
-
-__all__ = ["documents", "Documents", "Band", "Window", "piece_mask", "BlockDocs", "PackedPositionsError", "gather_positions", "global_indices"]
+__all__ = ["documents", "Documents", "Band", "Window", "piece_mask", "BlockDocs", "PackedPositionsError", "gather_positions"]

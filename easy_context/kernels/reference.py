@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from .checks import check_qkv
+
 
 # ----------------------------------------------------------------------------------------------
 # math backend: the readable reference (chunked over q so memory stays bounded)
@@ -90,7 +92,6 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
 
 def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None):
     """Differentiable full attention (autograd through plain ops): the test oracle."""
-    from .backends import check_qkv
     check_qkv(q, k, v, causal=causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qg, kg, vg = _grouped(q, k, v)
