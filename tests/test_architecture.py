@@ -154,6 +154,11 @@ def test_no_import_cycle():
         "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def test_no_file_over_the_limit():
+    long = long_files(PACKAGE)
+    assert not long, f"files of easy_context/ over {MAX_LINES} lines (split them by concern):\n" + "\n".join(long)
+
+
 # ---------------------------------------------------------------------------------------------- the checks bite
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "easy_context"
