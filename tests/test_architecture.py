@@ -154,6 +154,12 @@ def test_no_import_cycle():
         "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def test_only_training_imports_training():
+    found = training_imports(PACKAGE)
+    assert not found, ("library modules importing easy_context.training (move what they need into the library; "
+                       "training/ may re-export it):\n" + "\n".join(found))
+
+
 def test_no_file_over_the_limit():
     long = long_files(PACKAGE)
     assert not long, f"files of easy_context/ over {MAX_LINES} lines (split them by concern):\n" + "\n".join(long)
