@@ -23,8 +23,8 @@ MAX_PER_RANK = 16        # chunks per rank tried by the cost model (more = bette
 # predicted within BALANCE_SLACK of it (pick()): 1.02 leaves room for the model's error under the 1.05 of issue #28
 BALANCE_SLACK = 0.02
 BALANCE_TARGET = 1.02
-DEEP_SOURCES = 8  # the deeper boundary search tries the 8 slowest ranks at most: at W = 32 all of them took twice
-                  # as long to plan (1M rows: 8 s vs 4.6 s on 2 CPU cores) for no better deal
+DEEP_SOURCES = 8  # the deeper boundary search tries the 8 slowest ranks at most: at W = 32 trying all of them
+                  # doubled the planning time for no better deal (docs/packed_dispatch.md, 2026-12-06)
 
 
 

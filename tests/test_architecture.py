@@ -13,8 +13,9 @@ no import of the package, a fraction of a second.
 (d) No comment line under ``easy_context/`` carries a measurement: a ``#`` comment matching ``MEASURED``, i.e. a
     number followed by a time unit (``ms``, ``us``, ``s``, ``sec``, ``min``), a throughput (``tok/s``, ``tokens/s``,
     ``TFLOP/s``, ``TFLOPS``, ``GB/s``), a memory size (``KB``, ``MB``, ``GB``, ``KiB``, ``MiB``, ``GiB``, ``TiB``,
-    also ``/token``), a ratio (``1.7x``, ``0.96×``, ``4.3%``), or the word "measured". Measurements live in docs/
-    (dated sections) and bench/results/; the code keeps the reasoning. Docstrings are documentation and not checked.
+    also ``/token``), a ratio (``1.7x``, ``0.96×``, ``4.3%``, ``max/mean 1.06``), or the word "measured" (numbers
+    may carry a K / M: ``1.2M tok/s``). Measurements live in docs/ (dated sections) and bench/results/; the code
+    keeps the reasoning. Docstrings are documentation and not checked.
 
 Each rule is a function over a package directory that returns the offences; each is also run on a tiny synthetic
 package in ``tmp_path`` that breaks it, so a check that stopped seeing its offence would fail here.
@@ -34,11 +35,12 @@ PACKAGE = ROOT / "easy_context"
 MAX_LINES = 400
 _NUMBER = r"\d(?:[\d,]*\d)?(?:\.\d+)?(?:e[+-]?\d+)?"
 MEASURED = re.compile(
-    rf"{_NUMBER}[KM]?\s*(?:(?:ms|us|µs|s|sec|secs|seconds|min)\b"       # a time
-    r"|tok(?:ens)?/s|TFLOP/s|TFLOPS|[GM]B/s|GiB/s"                  # a throughput
-    r"|[KMGT]i?B(?:/tok(?:en)?)?\b)"                                 # a memory size
-    rf"|{_NUMBER}(?:[x×](?!\w)|%)"                                   # a ratio (no space: "2 x 3" is a shape)
-    r"|\b(?i:measured)\b")                                           # the word
+    rf"{_NUMBER}[KM]?\s*(?:(?:ms|us|µs|s|sec|secs|seconds|min)\b"  # a time
+    r"|tok(?:ens)?/s|TFLOP/s|TFLOPS|[GM]B/s|GiB/s"                 # a throughput
+    r"|[KMGT]i?B(?:/tok(?:en)?)?\b)"                                # a memory size
+    rf"|{_NUMBER}(?:[x×](?!\w)|%)"                                  # a ratio (no space: "2 x 3" is a shape)
+    rf"|max/mean\s*[~=]?\s*{_NUMBER}"                              # a balance
+    r"|\b(?i:measured)\b")                                          # the word
 
 
 def _modules(package: Path) -> dict[str, Path]:
@@ -165,6 +167,12 @@ def test_no_file_over_the_limit():
     assert not long, f"files of easy_context/ over {MAX_LINES} lines (split them by concern):\n" + "\n".join(long)
 
 
+def test_no_measured_comment():
+    found = measured_comments(PACKAGE)
+    assert not found, ("comments carrying measurements (move the figures to docs/ or bench/results/, keep the "
+                       "reasoning):\n" + "\n".join(found))
+
+
 # ---------------------------------------------------------------------------------------------- the checks bite
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "easy_context"
@@ -216,7 +224,7 @@ def test_length_check_sees_a_file_over_the_limit(tmp_path):
 @pytest.mark.parametrize("comment", [
     "# 0.95 ms per 16K tokens", "# took 8 s vs 4.6 s on 2 CPU cores", "# 632 TFLOP/s at 128K", "# 1.2M tok/s",
     "# 96.6 -> 56.6 KB/token", "# ~10 KB/token here", "# 12.5 GiB at 512K", "# 1.73x faster", "# 0.96× the speed",
-    "# mean |error| 4.3%", "# measured on an H200", "# Measured picks"])
+    "# mean |error| 4.3%", "# max/mean 2.2 at 128K", "# measured on an H200", "# Measured picks"])
 def test_comment_check_sees_measurements(tmp_path, comment):
     text = f'"""1.73x in a docstring is documentation."""\nx = "9 ms"  # a string is no comment\ny = 1  {comment}\n'
     pkg = _package(tmp_path, {"m.py": text})

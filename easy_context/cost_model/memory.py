@@ -51,7 +51,7 @@ def attn_working_set(shape: Shape, kernel: str, checkpointing: str, T: float, he
     ws = C("attn_ws_factor") * 2 * per_token * T
     if checkpointing == "offload":  # the previous input comes back after the attention backward, not during it
         ws -= 2 * d * T
-    if kernel == "fa4":  # its fp32 dq accumulator (one call's heads), in head groups past 256 MiB (fa4.head_groups)
+    if kernel == "fa4":  # its fp32 dq accumulator (one call's heads), in head groups past EASY_CONTEXT_FA4_BWD_ACCUM_MB
         from ..kernels.fa4 import accumulator_groups
         acc = 4 * da / n * T
         ws -= 4 * da * T - acc / accumulator_groups(acc, max(1, shape.kv_heads // n))
@@ -86,7 +86,7 @@ def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
         kept += opt.selective_layers * out
     if k > 1 and mode_of(opt).supports_attention_cache:  # a nested group's rebuilt attention outputs (+ LSE), kept
         kept += (k - 1) * out  # until their layer's backward (memory/offload + attention_cache)
-    if opt.checkpointing == "offload" and k > 1:  # measured beyond the nested terms at k >= 2, same on H200 and H100
+    if opt.checkpointing == "offload" and k > 1:  # calibrated beyond the nested terms at k >= 2 (its source)
         kept += C("offload_nested_extra_bytes_per_token_dim") * d * T
     kv_eff = kv_width(shape, opt, sp)
     ws_attn = attn_working_set(shape, opt.kernel, opt.checkpointing, T, opt.head_chunks)

@@ -51,10 +51,9 @@ VARLEN_WINDOW = {"fa4": (varlen_window_forward, varlen_window_backward)}
 # Rectangles (earlier rows of a document; a dispatched ring's received blocks are only rectangles) of at most
 # RECT_VARLEN_MAX score elements go, when a block has >= VARLEN_MIN_RECTS of them, into one non-causal varlen call,
 # rows gathered by index and merged back by index: one launch and one merge instead of one each. Off (0) by default:
-# on the H200 (docs/packed_dispatch.md, 2026-12-05) grouping every rectangle was slower on the default deals at 128K
-# (12.1 vs 11.2 ms) and 512K (250.6 vs 245.3 ms): large rectangles pay the gathers, index adds and a varlen kernel
-# ~5% slower than the dense one. Small ones are launch-bound (~0.15 ms a dense FA4 call for 512 x 512); a cap such as
-# 2048 * 2048 is the untimed middle road (bench_packed.py --rect-varlen N).
+# timed on the H200, grouping every rectangle was slower on the default deals at 128K and 512K (docs/packed_dispatch.md,
+# 2026-12-05): large rectangles pay the gathers, index adds and a varlen kernel slower than the dense one, while small
+# ones are launch-bound; a cap such as 2048 * 2048 is the untimed middle road (bench_packed.py --rect-varlen N).
 RECT_VARLEN_MAX = 0
 VARLEN_MIN_RECTS = 2
 

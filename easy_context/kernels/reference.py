@@ -17,7 +17,7 @@ from .checks import check_qkv
 # math backend: the readable reference (chunked over q so memory stays bounded)
 # ----------------------------------------------------------------------------------------------
 def _math_chunk(lq: int, lk: int, heads: int, batch: int) -> int:
-    budget = 1 << 24  # score elements per chunk (64 MiB in fp32)
+    budget = 1 << 24  # score elements per chunk (4 bytes each in fp32)
     return max(1, min(lq, budget // max(1, lk * heads * batch)))
 
 
