@@ -55,11 +55,11 @@ def model(consts: dict):
     D._CACHE.clear()
     try:
         for k, v in new.items():
-            setattr(D, k, v)
+            setattr(D.MODEL, k, v)  # the fitted model every solver reads (dispatch_cost.MODEL)
         yield
     finally:
         for k, v in old.items():
-            setattr(D, k, v)
+            setattr(D.MODEL, k, v)
         D._CACHE.clear()
 
 

@@ -46,6 +46,12 @@ def shard_sequence(seq_algo, tensor: torch.Tensor, rank: int, world_size: int, d
     return get_mode(seq_algo).shard(tensor, rank, world_size, dim=dim, **kw)
 
 
+def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> torch.Tensor:
+    """Global indices of ``rank``'s local rows in ``seq_algo``'s layout (a sequence of ``length``; ``positions=``
+    / ``pairs=`` / ``ring_degree=`` as for ``shard_sequence``)."""
+    return shard_sequence(seq_algo, torch.arange(length), rank, world, dim=0, **kw)
+
+
 def unshard_sequence(seq_algo, shards, dim: int = 1, layout=None, **kw) -> torch.Tensor:
     """Inverse of ``shard_sequence``: all ranks' shards in rank order -> the full tensor.
 
@@ -135,7 +141,7 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
     # packed rows: one table for the whole batch (planned once, every tensor cut by it), or None (the fixed cut)
     table = mode.dispatch_of(world_size, positions=position_ids, dispatch=dispatch, **kw)
     if table is not None and not isinstance(dispatch, str):  # given (training/plan_ahead.py): for these positions?
-        from .dispatch import DispatchError, fingerprint
+        from .dispatch_table import DispatchError, fingerprint
         if table.fingerprint and table.fingerprint != fingerprint(position_ids):
             raise DispatchError("prepare_seq_parallel_inputs(dispatch=...): the table was planned for other "
                                 "position ids (another batch?): plan it from this batch's global position_ids "

@@ -23,7 +23,7 @@ import torch
 
 from . import kernels
 from .comm import group_rank_world, p2p_exchange
-from .dispatch import check_world
+from .dispatch_table import check_world
 
 
 def _acc(x):

@@ -1,8 +1,8 @@
 """Unequal chunks for the dispatch (issue #28): refine an equal-chunk deal by moving the boundaries between ranks.
 
-An equal-chunk deal (dispatch.solve) cannot balance a row whose cost sits in one long document: a chunk of its tail
-costs more than a rank's share allows. Here the deal is seen as segments (maximal runs of one rank's chunks) and the
-boundaries between them move, in tile steps, in cycles that keep every rank's token count: the most loaded rank a
+An equal-chunk deal (dispatch_solve.solve) cannot balance a row whose cost sits in one long document: a chunk of its
+tail costs more than a rank's share allows. Here the deal is seen as segments (maximal runs of one rank's chunks) and
+the boundaries between them move, in tile steps, in cycles that keep every rank's token count: the most loaded rank a
 gives the d tokens at one of its segment edges to the neighbour x and takes d tokens back at another edge, from x
 (a 2-cycle) or from y where x hands d tokens to y at an x|y boundary (a 3-cycle). The deeper search (``sources``)
 moves work off the next slowest rank when the slowest has no such move. Expensive tokens (late in a long
@@ -15,6 +15,8 @@ from __future__ import annotations
 import bisect
 
 import numpy as np
+
+from .dispatch_cost import MODEL
 
 
 def segments(cuts, owners) -> list[list[int]]:
@@ -181,9 +183,9 @@ def _moves(segs, prefix, load, tile, three: bool, piece: float, a: int):
 class Estimate:
     """Per rank of a deal: work (score elements of its q rows), kernel pieces (a causal one per document piece on the
     diagonal, a rectangle per (q segment, rank holding earlier rows of its first document)), FA4 launches by kind
-    (dense, varlen), ring steps (1 + the ranks it needs kv from); ``time``: dispatch.py's fitted model in score
-    elements (``step`` per extra step). Exact for the equal deals of 2-4 chunks a rank of bench_packed's rows; with
-    more, smaller chunks it counts a few rectangles more than the kernel runs (adjacent kv rows merge there)."""
+    (dense, varlen), ring steps (1 + the ranks it needs kv from); ``time``: dispatch_cost's fitted model (``MODEL``)
+    in score elements (``step`` per extra step). Exact for the equal deals of 2-4 chunks a rank of bench_packed's rows;
+    with more, smaller chunks it counts a few rectangles more than the kernel runs (adjacent kv rows merge there)."""
 
     def __init__(self, segs, prefix, restarts, first, world, window=None):
         from .kernels.documents import RECT_VARLEN_MAX, VARLEN_MIN_DOCS, VARLEN_MIN_RECTS, VARLEN_WINDOW
@@ -249,8 +251,8 @@ class Estimate:
         return out
 
     def time(self, step: float) -> list[float]:
-        from .dispatch import DENSE_TIME, PIECE_TIME, VARLEN_TIME
-        return [w + PIECE_TIME * p + DENSE_TIME * d + VARLEN_TIME * v + step * (n - 1)
+        m = MODEL
+        return [w + m.PIECE_TIME * p + m.DENSE_TIME * d + m.VARLEN_TIME * v + step * (n - 1)
                 for w, p, d, v, n in zip(self.work, self.pieces, self.dense, self.varlen, self.steps)]
 
     @property

@@ -11,6 +11,8 @@ mean over a dp x sp batch, equal to the single-process mean over all valid token
   ``global_count`` / ``global_token_count`` are its names for valid-token counts.
 * ``sp_token_mean_loss`` (from logits) and ``causal_lm_loss`` (from the model, chunked head): this rank's share
   of the global token mean.
+* ``nll_sum``             — a model call's summed NLL of this rank's tokens (train.py's loss and the Trainer
+  integration's; the chunked head runs as the head's forward inside the wrapped model's).
 
 Token-weighted mean. Each rank holds a slice of the tokens (its sp shard of its dp group's samples). The
 single-process loss is  sum_all(CE) / n_valid_all.  Each rank computes  local_sum(CE) / n_valid_all  with
@@ -254,6 +256,31 @@ def causal_lm_loss(model, input_ids, position_ids, targets, group=None, chunk_si
     return nll / global_token_count(count, group).clamp_min(1.0)
 
 
+def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, router: list | None = None,
+            model_kwargs: dict | None = None):
+    """Forward + summed next-token NLL (fp32) of this rank's tokens; -100 targets are skipped.
+
+    ``chunked``: the LM head computes the loss chunk by chunk (``easy_context.loss.chunked_lm_loss``)
+    and never the (tokens x vocab) logits. It runs *as the head's forward inside the wrapped model's
+    forward*, so DeepSpeed's engine forward and ZeRO-3's module hooks (weight gather for forward and
+    backward) see an ordinary call; the model then returns the NLL sum in place of its logits.
+    ``router``: a list that receives the MoE router logits of this forward (for the load-balancing loss).
+    ``model_kwargs``: what the cut inputs' ``prepared.model_kwargs`` say the model call must carry (packed rows'
+    dispatch table).
+    """
+    kw = dict(model_kwargs or {}, **({"output_router_logits": True} if router is not None else {}))
+    if chunked:
+        with head_as_loss(unwrapped.get_output_embeddings(), targets, nll_only=True):
+            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)
+        if router is not None:
+            router.append(out.router_logits)
+        return out.logits
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)
+    if router is not None:
+        router.append(out.router_logits)
+    return token_nll_sum(out.logits, targets)[0]
+
+
 __all__ = ["IGNORE_INDEX", "default_chunk_size", "global_sum", "global_count", "global_token_count", "token_nll_sum",
-           "sp_token_mean_loss", "chunked_nll_sum", "ChunkedLMLoss", "chunked_lm_loss", "head_as_loss",
+           "nll_sum", "sp_token_mean_loss", "chunked_nll_sum", "ChunkedLMLoss", "chunked_lm_loss", "head_as_loss",
            "lm_head_loss", "causal_lm_loss"]

@@ -71,11 +71,9 @@ class Mode:
 
     def split(self, sp: int, ring_degree: int | None) -> tuple[int, int]:
         """(ring, ulysses) with ring x ulysses = sp; ``ring_degree`` only where the mode takes it."""
-        if ring_degree not in (None, 1):
-            from .registry import modes_taking
-            takers = " / ".join(modes_taking("ring_degree"))
-            raise ValueError(f"ring_degree={ring_degree} only applies to {takers} (ring x ulysses); "
-                             f"drop it for {self.name} or use {takers}")
+        if ring_degree not in (None, 1):  # parallel_layout.common_degrees names the modes that take one first
+            raise ValueError(f"ring_degree={ring_degree} does not apply to {self.name}: its cut takes no ring degree "
+                             "(Mode.degree_kwargs); drop it")
         return (1, sp) if self.ulysses else (sp, 1)
 
     def layout_kw(self, **degrees) -> dict:
@@ -99,7 +97,7 @@ class Mode:
         planner = getattr(self._cut(), "dispatch_of", None)
         if planner is None:
             if kw.get("dispatch") is not None and not isinstance(kw["dispatch"], str):
-                from .dispatch import DispatchError
+                from .dispatch_table import DispatchError
                 raise DispatchError(f"{self.name} cuts packed rows one fixed way: it takes no dispatch table")
             return None
         return planner(world_size, **kw)
@@ -172,28 +170,4 @@ class Mode:
         raise ValueError(f"the planner cannot cost {self.name}: its Mode defines no plan_traffic")
 
 
-def common_degrees(mode: Mode, world_size: int, sp_size: int | None, ring_degree: int | None,
-                   dp_size: int | None) -> tuple[int, int, int, int]:
-    """(dp, sp, ring, ulysses) for ``mode`` on ``world_size`` ranks, or ValueError with the fix."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
-    sp = mode.sp_size(sp_size, ring_degree)
-    if sp is None:  # default: one sp group over the world, or what is left after dp_size
-        if dp_size is not None and (dp_size < 1 or world_size % dp_size != 0):
-            raise ValueError(f"dp_size ({dp_size}) must divide world_size {world_size} (dp x sp = world_size); "
-                             f"valid dp sizes: {_divisors(world_size)}")
-        sp = world_size if dp_size is None else world_size // dp_size
-    if sp < 1 or world_size % sp != 0:
-        raise ValueError(
-            f"dp x sp = world_size has no whole dp for sp({sp}): world_size {world_size} / {sp} = "
-            f"{world_size / sp if sp else float('inf'):.3g}; sp_size must divide {world_size}, "
-            f"valid sp sizes: {_divisors(world_size)}")
-    dp = world_size // sp if dp_size is None else dp_size
-    if dp * sp != world_size:
-        raise ValueError(f"dp({dp}) x sp({sp}) = {dp * sp} != world_size {world_size}; "
-                         f"choose dp = world_size / sp = {world_size / sp:g} or another sp in {_divisors(world_size)}")
-    ring, uly = mode.split(sp, ring_degree)
-    return dp, sp, ring, uly
-
-
-__all__ = ["Mode", "PlanTraffic", "common_degrees"]
+__all__ = ["Mode", "PlanTraffic"]

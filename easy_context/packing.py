@@ -280,7 +280,7 @@ def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
         dist.all_gather(parts, t, group=group)
         seen = sorted({int(p[0, -1]) for p in parts})
         if len(seen) > 1:
-            from .dispatch import DispatchError
+            from .dispatch_table import DispatchError
             raise DispatchError(
                 f"{mode.name}: the ranks' model calls carry different dispatch tables (digests {seen}; 0 = none): "
                 "every rank must pass the model_kwargs prepare_seq_parallel_inputs returned for the same global batch")
@@ -290,7 +290,7 @@ def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
         return local
     full = mode.gather_positions(local, groups, gather, dispatch)  # the Mode (``layout.mode``) undoes its own cut
     if dispatch is not None:  # ``check_rows``: the leading rows that are the positions (callers may append rows)
-        from .dispatch import check_fingerprint
+        from .dispatch_table import check_fingerprint
         check_fingerprint(dispatch, full if check_rows is None else full[:check_rows], mode.name)
     if full is not local and require_table:  # one rank in the group: nothing was cut, nothing to check
         _check_dispatched(mode, full if check_rows is None else full[:check_rows], dispatch)
@@ -302,7 +302,7 @@ def unshard_gathered(mode, parts, dispatch=None, **kw) -> torch.Tensor:
     count read off the gathered positions."""
     from .sharding import layout_pairs
     if dispatch is not None:
-        from .dispatch import check_world
+        from .dispatch_table import check_world
         check_world(dispatch, len(parts), sum(p.shape[1] for p in parts), mode.name)
         return dispatch.unshard(parts, dim=1)
     cat = torch.cat(parts, dim=1)
@@ -311,7 +311,7 @@ def unshard_gathered(mode, parts, dispatch=None, **kw) -> torch.Tensor:
 
 def _check_dispatched(mode, full: torch.Tensor, dispatch) -> None:
     """Packed rows that a ``ParallelLayout`` dispatches must arrive with their table (a fixed cut would be a guess)."""
-    from .dispatch import DISPATCH_KWARG, DispatchError
+    from .dispatch_table import DISPATCH_KWARG, DispatchError
     if dispatch is not None or not packed_rows(full) or not mode.dispatches:
         return
     raise DispatchError(
@@ -321,11 +321,4 @@ def _check_dispatched(mode, full: torch.Tensor, dispatch) -> None:
         "prepare_seq_parallel_inputs(...) without dispatch= and patch with the mode name")
 
 
-def global_indices(seq_algo: str, length: int, rank: int, world: int, **kw) -> torch.Tensor:
-    """Global indices of ``rank``'s local rows in ``seq_algo``'s layout (a sequence of ``length``; ``positions=``
-    / ``pairs=`` / ``ring_degree=`` as for ``shard_sequence``)."""
-    from .api import shard_sequence
-    return shard_sequence(seq_algo, torch.arange(length), rank, world, dim=0, **kw)
-
-
-__all__ = ["documents", "Documents", "Band", "Window", "piece_mask", "BlockDocs", "PackedPositionsError", "gather_positions", "global_indices"]
+__all__ = ["documents", "Documents", "Band", "Window", "piece_mask", "BlockDocs", "PackedPositionsError", "gather_positions"]

@@ -19,14 +19,42 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .mode import Mode, common_degrees
-from .registry import get_mode
+from .mode import Mode, _divisors
+from .registry import get_mode, modes_taking
 
 
 def plan_degrees(seq_algo, world_size: int, sp_size: int | None = None, ring_degree: int | None = None,
                  dp_size: int | None = None) -> tuple[int, int, int, int]:
     """Pure validation: returns (dp, sp, ring, ulysses) or raises ValueError with the fix (the mode's split)."""
     return common_degrees(get_mode(seq_algo), world_size, sp_size, ring_degree, dp_size)
+
+
+def common_degrees(mode: Mode, world_size: int, sp_size: int | None, ring_degree: int | None,
+                   dp_size: int | None) -> tuple[int, int, int, int]:
+    """(dp, sp, ring, ulysses) for ``mode`` on ``world_size`` ranks, or ValueError with the fix."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    sp = mode.sp_size(sp_size, ring_degree)
+    if sp is None:  # default: one sp group over the world, or what is left after dp_size
+        if dp_size is not None and (dp_size < 1 or world_size % dp_size != 0):
+            raise ValueError(f"dp_size ({dp_size}) must divide world_size {world_size} (dp x sp = world_size); "
+                             f"valid dp sizes: {_divisors(world_size)}")
+        sp = world_size if dp_size is None else world_size // dp_size
+    if sp < 1 or world_size % sp != 0:
+        raise ValueError(
+            f"dp x sp = world_size has no whole dp for sp({sp}): world_size {world_size} / {sp} = "
+            f"{world_size / sp if sp else float('inf'):.3g}; sp_size must divide {world_size}, "
+            f"valid sp sizes: {_divisors(world_size)}")
+    dp = world_size // sp if dp_size is None else dp_size
+    if dp * sp != world_size:
+        raise ValueError(f"dp({dp}) x sp({sp}) = {dp * sp} != world_size {world_size}; "
+                         f"choose dp = world_size / sp = {world_size / sp:g} or another sp in {_divisors(world_size)}")
+    if ring_degree not in (None, 1) and "ring_degree" not in mode.degree_kwargs:
+        takers = " / ".join(modes_taking("ring_degree"))
+        raise ValueError(f"ring_degree={ring_degree} only applies to {takers} (ring x ulysses); "
+                         f"drop it for {mode.name} or use {takers}")
+    ring, uly = mode.split(sp, ring_degree)
+    return dp, sp, ring, uly
 
 
 @dataclass
@@ -54,7 +82,7 @@ class ParallelLayout:
     def __post_init__(self):
         self.mode = get_mode(self.mode)
         if self.packed_dispatch is None:
-            from .dispatch import packed_layout
+            from .dispatch_table import packed_layout
             self.packed_dispatch = packed_layout() == "dispatch"
 
     @property

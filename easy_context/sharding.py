@@ -46,11 +46,11 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # One causal stream does equal work on every zigzag rank, but packed documents do not: a rank's work is the sum
 # over its q tokens of their position inside their document + 1, and with 2W coarse chunks one long document can
-# land mostly on one rank (max/mean 2.2 at 128K, W=8, log-normal documents). Cutting finer and dealing mirrored
-# pairs round-robin averages that out (bench/bench_packed.py --count: max/mean 1.06 / 1.04 at 128K / 512K with
-# k=16), at the price of more, smaller kernel calls: PAIRS_MIN_CHUNK below picks k by measured wall time. The
-# idea of finer load-balancing splits is Striped Attention's (Brandon et al. 2023) and that of
-# Megatron-LM / Transformer Engine's THD load balancing (2·cp chunks, mirrored); this k-pair form is ours.
+# land mostly on one rank. Cutting finer and dealing mirrored pairs round-robin averages that out
+# (bench/bench_packed.py --count; docs/packed-documents.md), at the price of more, smaller kernel calls:
+# PAIRS_MIN_CHUNK below picks k by wall time. The idea of finer load-balancing splits is Striped Attention's
+# (Brandon et al. 2023) and that of Megatron-LM / Transformer Engine's THD load balancing (2·cp chunks, mirrored);
+# this k-pair form is ours.
 #
 # The layout must be data-independent: the attention rebuilds it from the gathered *local* position ids alone
 # (``model(local_ids, position_ids=local_pos)`` takes no other argument), so k is a function of (L, W) only and
@@ -58,14 +58,11 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 PAIRS_MAX = 16
 # Smallest chunk of the fine layout, chosen by wall time, not by balance. Every extra chunk pair adds dense pieces
-# (kernel launches + LSE merges, ~0.5 ms each fwd+bwd with FA4) to every ring step, so balance only pays when a
-# rank's work is large. Measured on one H200 (FA4, bf16, W=8, 32 heads x 128, log-normal documents, slowest rank
-# fwd+bwd, bench/bench_packed.py, 2026-12-03):
-#     128K: k=1 19.0 ms, k=2 22.8, k=4 32.7, k=8 50.4, k=16 82.8      (k=1 = 8K chunks is best)
-#     256K: k=1 143.0, k=2 114.7, k=4 111.7, k=8 124.4                (k=2 = 8K chunks: within 3% of best)
-#     512K: k=1 415.4, k=4 331.3, k=8 336.8, k=16 335.6                (k=4 = 8K chunks is best)
-# so chunks of at least 8K tokens. EASY_CONTEXT_PAIRS_MIN_CHUNK overrides it (the same value on every rank: the
-# sharding and the attention must agree; the tests use 256 to reach k > 1 on short rows).
+# (kernel launches + LSE merges) to every ring step, so balance only pays when a rank's work is large. Timed on one
+# H200 at 128K, 256K and 512K (bench/bench_packed.py, 2026-12-03; the sweep of k is in docs/packed-documents.md),
+# the k giving chunks of 8K tokens was the fastest or close to it at every length, so chunks of at least 8K tokens.
+# EASY_CONTEXT_PAIRS_MIN_CHUNK overrides it (the same value on every rank: the sharding and the attention must
+# agree; the tests use 256 to reach k > 1 on short rows).
 PAIRS_MIN_CHUNK = 8192
 PAIRS_ENV = "EASY_CONTEXT_PAIRS_MIN_CHUNK"
 

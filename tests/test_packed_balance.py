@@ -10,7 +10,7 @@ so they cost no extra process start-up.
 import pytest
 import torch
 
-from easy_context import packing, prepare_seq_parallel_inputs, shard_sequence, unshard_sequence
+from easy_context import api, packing, prepare_seq_parallel_inputs, shard_sequence, unshard_sequence
 from easy_context.dispatch import LAYOUT_ENV
 from easy_context.sharding import (PAIRS_ENV, PAIRS_MIN_CHUNK, layout_pairs, pair_chunks, packed_rows, pairs_indices,
                                    pairs_min_chunk, pairs_shard, pairs_unshard, zigzag_pairs, zigzag_shard)
@@ -133,7 +133,7 @@ def test_prepare_and_shard_use_the_pair_layout_only_for_packed_rows():
         assert torch.equal(unshard_sequence(mode, shards, positions=packed, **kw), ids)
         gathered = torch.cat([shard_sequence(mode, packed, r, w, positions=packed, **kw) for r in range(w)], 1)
         assert torch.equal(unshard_sequence(mode, shards, positions=gathered, **kw), ids)
-        assert torch.equal(packing.global_indices(mode, n, 1, w, positions=packed, **kw),
+        assert torch.equal(api.global_indices(mode, n, 1, w, positions=packed, **kw),
                            shard_sequence(mode, torch.arange(n), 1, w, dim=0, pairs=k, **kw))
         if mode == "usp_attn":  # the ring rank's local sequence (Ulysses pieces together) is the k-pair shard
             u = w // kw["ring_degree"]

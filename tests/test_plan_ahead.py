@@ -109,7 +109,9 @@ def test_a_lost_helper_falls_back_to_planning_here(monkeypatch):
     assert got == [plan_table(MODE.name, 4, {}, r["position_ids"][:, :-1]) for r in ROWS]
     assert batches.planned_here == 4  # the first, inline; three lost jobs (the one-document row needs none)
 
-    monkeypatch.setattr(plan_ahead, "ProcessPoolExecutor", lambda **kw: (_ for _ in ()).throw(OSError("no spawn")))
+    from easy_context import dispatch_ahead  # the helper's pool is library code (train.py's read-ahead uses it)
+    monkeypatch.setattr(dispatch_ahead, "ProcessPoolExecutor",
+                        lambda **kw: (_ for _ in ()).throw(OSError("no spawn")))
     loader = _Loader(ROWS)
     batches = PlannedBatches(iter(loader), loader, _Layout(MODE), 1)
     assert [t for *_, t in batches][1:] == [None] * 4  # submit failed: prepare_seq_parallel_inputs plans them

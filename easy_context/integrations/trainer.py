@@ -107,7 +107,7 @@ class SeqParallelTrainerMixin:
         if ahead["it"] is not epoch_iterator:  # a new epoch (the last one's read-ahead was all consumed)
             ahead["it"], ahead["queue"] = epoch_iterator, deque()
         if ahead["planner"] is None:
-            from ..training.plan_ahead import HelperPlanner
+            from ..dispatch_ahead import HelperPlanner
             ahead["planner"] = HelperPlanner(self._ec_layout)
         queue, planner = ahead["queue"], ahead["planner"]
         items = [queue.popleft() for _ in range(min(num_batches, len(queue)))]
@@ -155,7 +155,7 @@ class SeqParallelTrainerMixin:
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         from ..loss import IGNORE_INDEX, global_sum
-        from ..training.parallel import nll_sum
+        from ..loss import nll_sum
 
         unwrapped = self.accelerator.unwrap_model(model)
         if TARGETS in inputs:  # a training micro-batch cut by get_batch_samples
@@ -186,7 +186,7 @@ class SeqParallelTrainerMixin:
 
 def _table_kwargs(batch) -> dict:
     """The packed rows' dispatch table a cut batch carries (cut_rows), as the model kwarg it travels in."""
-    from ..dispatch import DISPATCH_KWARG
+    from ..dispatch_table import DISPATCH_KWARG
     return {DISPATCH_KWARG: batch[DISPATCH_KWARG]} if batch.get(DISPATCH_KWARG) is not None else {}
 
 
@@ -204,7 +204,7 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     from ..hf.config import attention_window
     from ..memory import configure_memory
     from ..parallel_layout import ParallelLayout, plan_degrees
-    from ..training.modeling import check_rope_for_sp
+    from ..hf.config import check_rope_for_sp
 
     if getattr(trainer, "_ec_layout", None) is not None:
         raise ValueError("sequence parallelism is already enabled on this trainer")

@@ -23,22 +23,21 @@ throughputs):
 
 ``merge_attn_out`` folds a block's partial ``(out, lse)`` into a running float32 accumulator.
 
-Files: this facade (attn_forward / attn_backward / merge_attn_out); backends.py (the backend table, choice and
+Files: this facade (attn_forward / attn_backward, re-exports); backends.py (the backend table, choice and
 adapters); fa4.py (FlashAttention-4 with its fallback); documents.py (document-masked pieces, varlen grouping);
-reference.py (the math backend and the test oracle).
+reference.py (the math backend and the test oracle); merge.py (``merge_attn_out``, the LSE merge); checks.py
+(``check_qkv``). Imports run one way: the facade imports the others, none imports the facade.
 """
 from __future__ import annotations
 
 import math
 
-import torch
-import torch.nn.functional as F
-
-from ..ops.jit import compiled
 from . import fa4
 from .backends import (_BACKWARD, _DTYPES, _FORWARD, BACKENDS, ENV_VAR, auto_cuda_backend,  # noqa: F401
-                       available_backends, check_qkv, choose_backend)
+                       available_backends, choose_backend)
+from .checks import check_qkv
 from .documents import VARLEN, VARLEN_MIN_DOCS, _doc_backward, _doc_forward, _group  # noqa: F401 (tests)
+from .merge import merge_attn_out
 from .reference import attention_reference
 
 
@@ -56,7 +55,7 @@ def attn_forward(q, k, v, causal: bool = True, softmax_scale: float | None = Non
     name = choose_backend(q, backend)
     fwd = _FORWARD[name]
     if docs is not None:
-        return _doc_forward(name, q, k, v, scale, docs, into)
+        return _doc_forward(name, q, k, v, scale, docs, into, merge=merge_attn_out)
     if into is not None:
         raise ValueError("attn_forward(into=...) needs docs= (the pieces to merge)")
     return fwd(q, k, v, causal, scale)
@@ -79,35 +78,6 @@ def attn_backward(dout, q, k, v, out, lse, causal: bool = True, softmax_scale: f
     if into is not None:
         raise ValueError("attn_backward(into=...) needs docs= (the pieces to accumulate)")
     return bwd(dout, q, k, v, out, lse, causal, scale)
-
-
-def _merge(out, lse_bl, block_out, blk):
-    # a row the block masks entirely (lse -inf: a sliding window's band edge) leaves out unchanged, also when
-    # out is still empty (both -inf would make the weight nan)
-    w = torch.where(torch.isneginf(blk), torch.zeros_like(blk), torch.sigmoid(blk - lse_bl))
-    new_out = out - w * (out - block_out.to(out.dtype))
-    new_lse = torch.maximum(lse_bl, blk) + F.softplus(-(lse_bl - blk).abs())
-    return new_out, torch.where(torch.isneginf(lse_bl), blk, new_lse)
-
-
-_merge_fused = compiled(_merge)  # one kernel on CUDA instead of ~8 passes with fp32 temporaries
-
-
-def merge_attn_out(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                   block_lse: torch.Tensor) -> None:
-    """Fold a block's ``(block_out, block_lse)`` into the float32 accumulators ``(out, lse)`` in place.
-
-    out: fp32 (B, L, H, D); lse: fp32 (B, H, L). Written as
-      lse' = lse - logsigmoid(lse - block_lse),  out' = out - sigmoid(block_lse - lse) * (out - block_out)
-    which never exponentiates a large positive number (the form ring-flash-attention adopted in its
-    PR #34 discussion of LSE overflow); ``lse = -inf`` (no keys seen yet) takes the block as is.
-    The math is one fused kernel on CUDA (``ops.jit.compiled``); the results are copied into the accumulators.
-    """
-    lse_bl = lse.transpose(1, 2).unsqueeze(-1)           # (B, L, H, 1) view onto lse
-    blk = block_lse.transpose(1, 2).unsqueeze(-1).to(lse.dtype)
-    new_out, new_lse = _merge_fused(out, lse_bl, block_out, blk)
-    out.copy_(new_out)
-    lse_bl.copy_(new_lse)
 
 
 __all__ = ["attn_forward", "attn_backward", "merge_attn_out", "attention_reference", "check_qkv", "choose_backend",

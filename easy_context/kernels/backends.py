@@ -11,7 +11,10 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from . import fa4
+from .checks import check_qkv  # noqa: F401 (kernels.backends.check_qkv, as before)
+from .fa4 import backward as _fa4_kernel_backward
+from .fa4 import forward as _fa4_kernel_forward
+from .fa4 import usable as _fa4_usable
 from .reference import _math_backward, _math_forward
 
 aten = torch.ops.aten
@@ -34,33 +37,6 @@ _DTYPES = {
 # ----------------------------------------------------------------------------------------------
 # validation and backend choice
 # ----------------------------------------------------------------------------------------------
-def check_qkv(q, k, v, what: str = "attention", local: bool = False, causal: bool = False) -> None:
-    """Shape/dtype checks of q, k, v in the flash-attn layout, shared by the facade and every
-    sequence-parallel mode. ``local=True``: the shards of one rank (q and k/v also share the local length);
-    ``causal=True`` (facade): a causal block needs equal q and kv lengths. Raises ValueError with the fix."""
-    seq = "seq_local" if local else "seq"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{what} expects q, k, v shaped (batch, {seq}, heads, head_dim); "
-                             f"got {name} with shape {tuple(getattr(t, 'shape', ()))}")
-    if k.shape != v.shape:
-        raise ValueError(f"{what}: k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if local and (q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]):
-        raise ValueError(f"{what}: q and k/v must agree on batch, local length and head_dim; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"{what}: q and k must agree on batch and head_dim; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"{what}: q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) for "
-                         "grouped-query attention")
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"{what}: causal=True needs equal q and kv lengths (got {q.shape[1]} and {k.shape[1]}); "
-                         "pass causal=False for an off-diagonal block")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{what}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-
-
 @lru_cache(maxsize=None)
 def _flash_attn_module():
     try:
@@ -80,7 +56,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     device = torch.device(device)
     if device.type == "cuda":
         names = ["cudnn", "flash", "efficient"]
-        if fa4.usable(device.index or 0):
+        if _fa4_usable(device.index or 0):
             names.insert(0, "fa4")
         if _flash_attn_module() is not None:
             names.append("flash_attn")
@@ -112,7 +88,7 @@ def choose_backend(q: torch.Tensor, backend: str | None = None) -> str:
         return name
     if q.device.type == "cuda":
         idx = q.device.index or 0
-        return auto_cuda_backend(q.dtype, q.shape[-1], _is_hopper_or_newer(idx), lambda: fa4.usable(idx))
+        return auto_cuda_backend(q.dtype, q.shape[-1], _is_hopper_or_newer(idx), lambda: _fa4_usable(idx))
     # CPU: the fused kernel returns the LSE and is exact enough in float32; float64 stays on math.
     return "cpu" if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else "math"
 
@@ -237,11 +213,11 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 def _fa4_forward(q, k, v, causal, scale):
-    return fa4.forward(q, k, v, causal, scale, fallback=_cudnn_forward)
+    return _fa4_kernel_forward(q, k, v, causal, scale, fallback=_cudnn_forward)
 
 
 def _fa4_backward(dout, q, k, v, out, lse, causal, scale):
-    return fa4.backward(dout, q, k, v, out, lse, causal, scale, fallback=_cudnn_backward)
+    return _fa4_kernel_backward(dout, q, k, v, out, lse, causal, scale, fallback=_cudnn_backward)
 
 
 _FORWARD = {"fa4": _fa4_forward, "math": _math_forward, "cpu": _cpu_forward, "cudnn": _cudnn_forward,

@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from ..packing import Band, Window
-from . import fa4
 from .backends import _BACKWARD, _FORWARD
+from .fa4 import (varlen_backward, varlen_forward, varlen_window_backward, varlen_window_forward, window_backward,
+                  window_forward)
+from .merge import merge_attn_out
 from .reference import _math_backward, _math_forward
 
 
@@ -33,26 +35,25 @@ def _doc_rows(q, docs):
 # Backends with a sliding-window kernel: a ``Window`` piece is one call (forward(q, k, v, left, right, scale,
 # fallback) -> (out, lse); backward(dout, q, k, v, out, lse, left, right, scale, fallback) -> grads). Others cut it
 # into tiles (``Window.tiles``).
-WINDOWED = {"fa4": (fa4.window_forward, fa4.window_backward)}
+WINDOWED = {"fa4": (window_forward, window_backward)}
 
 # Backends with a varlen (cu_seqlens) kernel: a diagonal run of many documents is one launch instead of one
 # per document. (forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fallback) on (total, H, D) tensors
 # -> (out, lse (H, total)); backward likewise.) Tests register a reference implementation here.
-VARLEN = {"fa4": (fa4.varlen_forward, fa4.varlen_backward)}
+VARLEN = {"fa4": (varlen_forward, varlen_backward)}
 VARLEN_MIN_DOCS = 4  # fewer documents in a run: per-document dense calls are as cheap
 # Backends whose varlen kernel also takes a sliding window: under a window, a document longer than it (a causal
 # ``Window`` piece on the diagonal) joins the diagonal run, which is then one windowed varlen call (documents within
 # the window are unaffected by it), instead of a launch of its own that also splits the run. (forward(q, k, v, cu,
 # max_len, left, scale, fallback) -> (out, lse (H, total)); backward(dout, q, k, v, out, lse, cu, max_len, left,
 # scale, fallback) -> grads; key b kept for query a iff a - left <= b <= a, within each sequence.)
-VARLEN_WINDOW = {"fa4": (fa4.varlen_window_forward, fa4.varlen_window_backward)}
+VARLEN_WINDOW = {"fa4": (varlen_window_forward, varlen_window_backward)}
 # Rectangles (earlier rows of a document; a dispatched ring's received blocks are only rectangles) of at most
 # RECT_VARLEN_MAX score elements go, when a block has >= VARLEN_MIN_RECTS of them, into one non-causal varlen call,
 # rows gathered by index and merged back by index: one launch and one merge instead of one each. Off (0) by default:
-# on the H200 (docs/packed_dispatch.md, 2026-12-05) grouping every rectangle was slower on the default deals at 128K
-# (12.1 vs 11.2 ms) and 512K (250.6 vs 245.3 ms): large rectangles pay the gathers, index adds and a varlen kernel
-# ~5% slower than the dense one. Small ones are launch-bound (~0.15 ms a dense FA4 call for 512 x 512); a cap such as
-# 2048 * 2048 is the untimed middle road (bench_packed.py --rect-varlen N).
+# timed on the H200, grouping every rectangle was slower on the default deals at 128K and 512K (docs/packed_dispatch.md,
+# 2026-12-05): large rectangles pay the gathers, index adds and a varlen kernel slower than the dense one, while small
+# ones are launch-bound; a cap such as 2048 * 2048 is the untimed middle road (bench_packed.py --rect-varlen N).
 RECT_VARLEN_MAX = 0
 VARLEN_MIN_RECTS = 2
 
@@ -151,7 +152,7 @@ def _rects_layout(q, bs, rects):
     return nb, qsp, _index_of(qsp, q.device), _index_of(ksp, q.device), (cu_q, cu_k, mq, mk)
 
 
-def _rects_forward(name, q, k, v, bs, rects, scale, out, lse):
+def _rects_forward(name, q, k, v, bs, rects, scale, out, lse, merge=merge_attn_out):
     """The rectangles of a block in one non-causal varlen call; merged into ``out``/``lse`` (fp32) by row index."""
     nb, qsp, qi, ki, lens = _rects_layout(q, bs, rects)
 
@@ -162,7 +163,6 @@ def _rects_forward(name, q, k, v, bs, rects, scale, out, lse):
     o, l = VARLEN[name][0](*flat, *lens, False, scale, dense)
     o = o.view(nb, -1, *o.shape[1:])
     l = l.view(l.shape[0], nb, -1).transpose(0, 1)
-    from . import merge_attn_out
     rounds = _disjoint_rounds(qsp)
     at = [0]
     for a, b in qsp if len(rounds) > 1 else ():
@@ -175,7 +175,7 @@ def _rects_forward(name, q, k, v, bs, rects, scale, out, lse):
             idx = _index_of(tuple(qsp[j] for j in rd), q.device)
             o_r, l_r = o.index_select(1, pos), l.index_select(2, pos)
         acc_o, acc_l = out[bs].index_select(1, idx), lse[bs].index_select(2, idx)
-        merge_attn_out(acc_o, acc_l, o_r, l_r)
+        merge(acc_o, acc_l, o_r, l_r)
         out[bs].index_copy_(1, idx, acc_o)
         lse[bs].index_copy_(2, idx, acc_l)
 
@@ -196,9 +196,10 @@ def _rects_backward(name, dout, q, k, v, out, lse, bs, rects, scale, grads):
         acc[bs].index_add_(1, i, x.view(nb, -1, *x.shape[1:]).to(acc.dtype))
 
 
-def _doc_forward(name, q, k, v, scale, docs, into=None):
+def _doc_forward(name, q, k, v, scale, docs, into=None, merge=merge_attn_out):
     """``into``: fp32 (out, lse) accumulators of all q rows to merge the pieces into (returned; None if no piece):
-    a step of a ring then costs only its pieces' rows, not a full-size buffer, cast and merge."""
+    a step of a ring then costs only its pieces' rows, not a full-size buffer, cast and merge. ``merge``: the
+    facade's ``merge_attn_out`` (passed per call: what folds the pieces is the facade's, as for the modes)."""
     out, lse = into if into is not None else (None, None)
     hit = False
     for bs, pieces in _doc_rows(q, docs):
@@ -209,7 +210,7 @@ def _doc_forward(name, q, k, v, scale, docs, into=None):
                 out = torch.zeros(q.shape, dtype=acc, device=q.device)
                 lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
             if kind == "rects":
-                _rects_forward(name, q, k, v, bs, item, scale, out, lse)
+                _rects_forward(name, q, k, v, bs, item, scale, out, lse, merge)
                 continue
             if kind == "dense":
                 qs, ks, causal = item
@@ -217,8 +218,7 @@ def _doc_forward(name, q, k, v, scale, docs, into=None):
             else:  # one varlen launch over a diagonal run of documents
                 qs = slice(item[0][0].start, item[-1][0].stop)
                 o, l = _run_forward(name, q, k, v, bs, item, scale)
-            from . import merge_attn_out
-            merge_attn_out(out[bs, qs], lse[bs, :, qs], o, l)  # a row may get pieces of two runs
+            merge(out[bs, qs], lse[bs, :, qs], o, l)  # a row may get pieces of two runs
     if into is not None:
         return into if hit else None
     return None if out is None else (out.to(q.dtype), lse)
@@ -245,7 +245,6 @@ def _tiled_forward(name, q, k, v, win, scale):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
-    from . import merge_attn_out
     for qs, ks, c in win.tiles(q.shape[1], k.shape[1]):
         o, l = _piece_forward(name, q[:, qs], k[:, ks], v[:, ks], c, scale)
         merge_attn_out(out[:, qs], lse[:, :, qs], o, l)

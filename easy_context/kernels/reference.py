@@ -10,12 +10,14 @@ import math
 
 import torch
 
+from .checks import check_qkv
+
 
 # ----------------------------------------------------------------------------------------------
 # math backend: the readable reference (chunked over q so memory stays bounded)
 # ----------------------------------------------------------------------------------------------
 def _math_chunk(lq: int, lk: int, heads: int, batch: int) -> int:
-    budget = 1 << 24  # score elements per chunk (64 MiB in fp32)
+    budget = 1 << 24  # score elements per chunk (4 bytes each in fp32)
     return max(1, min(lq, budget // max(1, lk * heads * batch)))
 
 
@@ -90,7 +92,6 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
 
 def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None):
     """Differentiable full attention (autograd through plain ops): the test oracle."""
-    from .backends import check_qkv
     check_qkv(q, k, v, causal=causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qg, kg, vg = _grouped(q, k, v)

@@ -42,7 +42,7 @@ class CheckpointChoice:
 
 def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: float, kernel: str = "fa4",
                          gpu: str = "h200", margin: float = MARGIN, head_chunks=(1,)) -> CheckpointChoice:
-    """``shape``: a tools.plan Shape; ``gpu_budget``: bytes free for activations (weights and gradients already
+    """``shape``: a cost_model Shape; ``gpu_budget``: bytes free for activations (weights and gradients already
     counted out); ``host_budget``: bytes of host memory that may be pinned; ``margin``: the share of the GPU budget
     left unplanned (allocator slack, what the working-set model misses); ``head_chunks``: the head-group counts
     allowed (memory/head_chunks.py: same FLOPs, a smaller working set): the fewest groups that keep the most
@@ -67,9 +67,9 @@ class _NoRoom(ValueError):
 
 
 def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n) -> CheckpointChoice:
-    from ..tools.plan import gpu_constants
-    from ..tools.plan.memory import attn_output_bytes, attn_working_set
-    from ..tools.plan.step_time import _interp
+    from ..cost_model.constants import gpu_constants
+    from ..cost_model.memory import attn_output_bytes, attn_working_set
+    from ..cost_model.step_time import interp
     layers_n, T, d, da = shape.layers, float(tokens), shape.hidden, shape.d_attn
     inp, out = 2 * d * T, attn_output_bytes(shape, T)
     if host_budget < inp:
@@ -86,7 +86,7 @@ def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n) -> C
         raise _NoRoom(f"auto checkpointing: one layer's backward needs ~{work / GiB:.1f} GiB at {tokens} tokens"
                       f"{heads}, more than the {gpu_budget / GiB:.1f} GiB free: use more sequence-parallel ranks")
     s = min(layers_n, int(room // out))
-    rate = _interp(gpu_constants(gpu)["attn_fwd_tflops"].get(kernel, gpu_constants(gpu)["attn_fwd_tflops"]["cudnn"]),
+    rate = interp(gpu_constants(gpu)["attn_fwd_tflops"].get(kernel, gpu_constants(gpu)["attn_fwd_tflops"]["cudnn"]),
                    tokens) * 1e12
     t_fwd = 2.0 * T * T * da / rate  # causal attention forward of one layer
     layers = tuple(range(layers_n - s, layers_n))
@@ -132,8 +132,8 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
     when it cannot be chunked), a count, or counts to choose from. Returns (CheckpointChoice, MemoryConfig)."""
     import torch
 
-    from ..tools.plan.shape import shape_from_dict
-    from . import configure_memory
+    from ..cost_model.shape import shape_from_dict
+    from .configure import configure_memory
     shape = shape_from_dict(type(model).__name__, model.config.to_dict())
     gpu_budget, host_budget = measure_budgets(model, gpu_budget, host_budget)
     if kernel is None:

@@ -189,7 +189,7 @@ def _modeling_modules(layer) -> list:
 
 
 def _hf_enable(model, kwargs):
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers 5 (the renamed API)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

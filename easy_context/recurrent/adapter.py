@@ -32,9 +32,11 @@ returns (the chain keeps references to the states it receives).
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
+
+from .resets import run_with_resets  # noqa: F401 (easy_context.recurrent.adapter.run_with_resets, as before)
 
 
 class Adapter(Protocol):
@@ -45,6 +47,7 @@ class Adapter(Protocol):
 
 
 _ADAPTERS: dict[str, Adapter] = {}
+_BUILTINS_LOADED = False  # the adapters shipped with the package are registered on the first lookup
 
 
 def register_adapter(layer_class_name: str, adapter: Adapter) -> None:
@@ -57,40 +60,26 @@ def register_adapter(layer_class_name: str, adapter: Adapter) -> None:
 
 def get_adapter(layer) -> Adapter | None:
     """The adapter of a layer instance (by its class name), None when its class is not supported."""
-    from . import builtin  # noqa: F401  (registers the adapters shipped with the package)
+    _load_builtins()
     adapter = _ADAPTERS.get(type(layer).__name__)
     supports = getattr(adapter, "supports", None)  # optional: the installed model code is the one it knows
     return adapter if adapter is not None and (supports is None or supports(layer)) else None
 
 
 def supported_classes() -> tuple[str, ...]:
-    from . import builtin  # noqa: F401
+    _load_builtins()
     return tuple(sorted(_ADAPTERS))
 
 
-def run_with_resets(run: Callable, adapter: Adapter, layer, x: torch.Tensor, state: tuple, resets):
-    """``run(layer, x, state) -> (out, state)`` without resets, turned into one that honours ``resets``: the
-    chunk is cut at every document start and the state is zeroed there. Rows with different cuts run one by
-    one (a reset in row b must not zero row b' != b)."""
-    if resets is None or not bool(resets.any()):
-        return run(layer, x, state)
-    if not bool((resets == resets[:1]).all()):  # rows differ: each row on its own
-        outs, finals = [], []
-        for b in range(x.shape[0]):
-            o, f = run_with_resets(run, adapter, layer, x[b:b + 1], tuple(s[b:b + 1] for s in state),
-                                   resets[b:b + 1])
-            outs.append(o)
-            finals.append(f)
-        return torch.cat(outs, 0), tuple(torch.cat(parts, 0) for parts in zip(*finals))
-    cuts = resets[0].nonzero().flatten().tolist()
-    bounds = ([0] if cuts[0] != 0 else []) + cuts + [x.shape[1]]
-    outs = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if s in cuts:
-            state = adapter.zero_state(layer, x.shape[0], x.dtype, x.device)
-        o, state = run(layer, x[:, s:e], state)
-        outs.append(o)
-    return torch.cat(outs, 1), state
+def _load_builtins() -> None:
+    """Register the adapters shipped with the package (builtin.py) once, on the first lookup."""
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    from .builtin import BUILTIN
+    _BUILTINS_LOADED = True
+    for name, adapter in BUILTIN.items():
+        register_adapter(name, adapter)
 
 
 __all__ = ["Adapter", "register_adapter", "get_adapter", "supported_classes", "run_with_resets"]

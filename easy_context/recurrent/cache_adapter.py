@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import run_with_resets
+from .resets import run_with_resets
 
 
 class _StateCache:

@@ -209,25 +209,4 @@ def ssd_scan(x, dt, A, B, C, D, chunk_size: int, init, seg):
     return y + y_skip, final
 
 
-class Mamba2Adapter:
-    """The adapter the recurrent chain (easy_context/recurrent/chain.py) calls for every Mamba-2 mixer class."""
-    zero_state = staticmethod(zero_state)
-    run_chunk = staticmethod(run_chunk)
-
-    @staticmethod
-    def run_plan(plan, layer, x):
-        """All of this rank's pieces at once (no serial chain): mamba2_parallel.py."""
-        from .mamba2_parallel import run_plan
-        return run_plan(plan, layer, x)
-
-
-def _register():
-    from .adapter import register_adapter
-    for name in MAMBA2_CLASSES:
-        register_adapter(name, Mamba2Adapter())
-
-
-_register()
-
-
-__all__ = ["MAMBA2_CLASSES", "Mamba2Adapter", "causal_conv", "run_chunk", "segment_ids", "ssd_scan", "zero_state"]
+__all__ = ["MAMBA2_CLASSES", "causal_conv", "run_chunk", "segment_ids", "ssd_scan", "zero_state"]

@@ -52,7 +52,7 @@ def prepare_reserve(model, ds_config: dict | None, world: int) -> tuple[float, f
     """(GPU, host) bytes per rank that ``accelerator.prepare`` and the optimizer will still allocate, beyond what
     ``memory.auto.measure_budgets`` counts (the gradients to come). ``ds_config``: DeepSpeed's config dict, or None
     (plain Accelerate: the weights move to the GPU, AdamW keeps two moments like the trainable ones)."""
-    from ..tools.plan.constants import C
+    from ..cost_model.constants import C
     params = list(model.parameters())
     if ds_config is None:
         on_cpu = sum(p.numel() * p.element_size() for p in params if p.device.type != "cuda")

@@ -3,59 +3,9 @@ from __future__ import annotations
 
 import os
 
-from ..hf.config import get_rope_theta, set_rope_theta  # noqa: F401 (training's and eval's one definition)
+from ..hf.config import (LLAMA3_FREQ_FACTORS, ROPE_SCALINGS, check_rope_for_sp, get_rope_theta,  # noqa: F401
+                         set_rope_scaling, set_rope_theta)  # training's and eval's one definition (re-exported)
 from .errors import UsageError
-
-
-ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
-# keys a previous scaling may have left in rope_parameters (replaced, never mixed with the new type's)
-_SCALING_KEYS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
-                 "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate", "short_factor", "long_factor")
-LLAMA3_FREQ_FACTORS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}  # Llama 3.1's published values
-
-
-def set_rope_scaling(config, rope_type: str, factor: float, original: int | None = None) -> None:
-    """--rope-scaling: ``config.rope_parameters`` (transformers 5) gets ``rope_type`` + ``factor`` (+ the
-    pretraining length ``original_max_position_embeddings`` for yarn / llama3), theta and partial-rotary kept.
-    ``original`` defaults to the config's ``max_position_embeddings``; for yarn / llama3 / linear that becomes
-    ``original x factor`` (the extended length); dynamic NTK reads the original length from
-    ``max_position_embeddings`` itself, so there it is set to ``original``."""
-    if rope_type not in ROPE_SCALINGS:
-        raise UsageError(f"--rope-scaling must be one of {', '.join(ROPE_SCALINGS)}, got {rope_type!r}")
-    if factor is None or not factor > 1:
-        raise UsageError(f"--rope-scaling {rope_type} needs --rope-factor > 1, got {factor}")
-    rp = getattr(config, "rope_parameters", None)
-    if not isinstance(rp, dict) or not rp:
-        raise UsageError(f"--rope-scaling: model type {config.model_type!r} has no single RoPE "
-                         "(config.rope_parameters); cannot scale it")
-    if any(isinstance(v, dict) for v in rp.values()):  # per-layer-type RoPE (Gemma 3 local/global)
-        raise UsageError(f"--rope-scaling: {config.model_type!r} has a RoPE per layer type "
-                         f"({', '.join(rp)}); scaling only one global RoPE is supported")
-    original = int(original or config.max_position_embeddings)
-    new = {k: v for k, v in rp.items() if k not in _SCALING_KEYS}
-    new.setdefault("rope_theta", get_rope_theta(config))
-    new.update(rope_type=rope_type, factor=float(factor))
-    if rope_type in ("yarn", "llama3"):
-        new["original_max_position_embeddings"] = original
-    if rope_type == "llama3":
-        new.update(LLAMA3_FREQ_FACTORS)
-    config.rope_parameters = new
-    config.max_position_embeddings = original if rope_type == "dynamic" else max(
-        config.max_position_embeddings, int(original * factor))
-
-
-def check_rope_for_sp(config, parallel_mode) -> None:
-    """dynamic / longrope pick their frequencies from the largest position id a forward sees; a sequence-
-    parallel rank sees only its shard, so ranks (and a 1-process run) would disagree: refused."""
-    rp = getattr(config, "rope_parameters", None) or {}
-    types = {v.get("rope_type") for v in rp.values() if isinstance(v, dict)} | {rp.get("rope_type")}
-    bad = types & {"dynamic", "longrope"}
-    from ..registry import get_mode
-    mode = get_mode(parallel_mode)
-    if bad and mode.is_parallel:
-        raise UsageError(f"RoPE type {bad.pop()!r} rescales by the longest position of each forward, which a "
-                         f"sequence-parallel rank sees only part of; --parallel_mode {mode.name} would not be "
-                         "exact: use --rope-scaling yarn/linear/llama3, or --parallel_mode data_parallel")
 
 
 def load_config(name: str, rope_theta: float | None, args=None):

@@ -1,4 +1,5 @@
-"""dp x sp layout (``easy_context.parallel_layout``) and the summed token NLL train.py scales.
+"""dp x sp layout (``easy_context.parallel_layout``), the accelerator, and the summed token NLL train.py scales
+(``nll_sum``: library code in easy_context/loss.py, re-exported here).
 
 train.py's loss: each rank backpropagates ``sum(local NLL) * world * GA / N_window`` where N_window is
 the number of valid targets of the whole optimizer step (all ranks, all micro-batches); DeepSpeed/DDP
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loss import head_as_loss, token_nll_sum
+from ..loss import nll_sum  # noqa: F401 (library code; train.py imports it from here)
 from .errors import UsageError
 
 
@@ -52,28 +53,3 @@ def make_accelerator(args):
         log_with="wandb" if args.wandb else None,
         kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(
             seconds=backstop_timeout(args.timeout)))])  # our watchdog names the silent rank first
-
-
-def nll_sum(model, unwrapped, input_ids, position_ids, targets, chunked: bool, router: list | None = None,
-            model_kwargs: dict | None = None):
-    """Forward + summed next-token NLL (fp32) of this rank's tokens; -100 targets are skipped.
-
-    ``chunked``: the LM head computes the loss chunk by chunk (``easy_context.loss.chunked_lm_loss``)
-    and never the (tokens x vocab) logits. It runs *as the head's forward inside the wrapped model's
-    forward*, so DeepSpeed's engine forward and ZeRO-3's module hooks (weight gather for forward and
-    backward) see an ordinary call; the model then returns the NLL sum in place of its logits.
-    ``router``: a list that receives the MoE router logits of this forward (for the load-balancing loss).
-    ``model_kwargs``: what the cut inputs' ``prepared.model_kwargs`` say the model call must carry (packed rows'
-    dispatch table).
-    """
-    kw = dict(model_kwargs or {}, **({"output_router_logits": True} if router is not None else {}))
-    if chunked:
-        with head_as_loss(unwrapped.get_output_embeddings(), targets, nll_only=True):
-            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)
-        if router is not None:
-            router.append(out.router_logits)
-        return out.logits
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kw)
-    if router is not None:
-        router.append(out.router_logits)
-    return token_nll_sum(out.logits, targets)[0]

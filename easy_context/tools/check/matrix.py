@@ -79,9 +79,9 @@ def tiny_config(family: str, feature: str):
 
 def plan_cell(family: str, mode: str, feature: str, world: int, seed: int = 0) -> Case:
     """The Case of one cell, or Refused with the reason (nothing has been spawned)."""
+    from easy_context.errors import UsageError
+    from easy_context.hf.config import check_rope_for_sp, set_rope_scaling
     from easy_context.parallel_layout import ParallelLayout
-    from easy_context.training.errors import UsageError
-    from easy_context.training.modeling import check_rope_for_sp, set_rope_scaling
 
     from ...hf.config import sliding_window
     config = tiny_config(family, feature)

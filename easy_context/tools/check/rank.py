@@ -210,7 +210,7 @@ def run_case(case, send=lambda payload: None) -> dict | None:
     local_sum, local_n = token_nll_sum(logits, prepared["local_target_ids"])
     loss = local_sum / global_count(local_n, sp_group)  # the global token mean, whatever this rank holds
     if case.moe_aux:  # this rank's share of the global load-balancing loss (train.py's, one all-reduce)
-        from easy_context.training.moe import router_aux_loss
+        from easy_context.moe import router_aux_loss
         loss = loss + case.moe_aux * router_aux_loss(out.router_logits, sp_model.config)[0]
     loss.backward()
     total = global_sum(loss, sp_group)

@@ -14,23 +14,22 @@ Each candidate = parallel mode x (dp x sp [x ring x ulysses]) x checkpointing {l
 chunked loss x tiled MLP x ZeRO config; the table lists those that fit, fastest first, with the train.py flags
 and accelerate config of the best. Exit status: 0 something fits, 1 nothing fits, 2 a usage error.
 
-Files: ``constants.py`` (plan_constants.json, fixed choices), ``shape.py`` (config -> shape, parameters, FLOPs),
-``options.py`` (a candidate and the setting), ``memory.py`` (host and GPU peaks), ``step_time.py`` (compute,
-sequence-parallel and ZeRO communication, optimizer), ``predict.py`` (one candidate's row), ``search.py`` (every
-candidate), ``launch.py`` (accelerate command, train.py flags), ``cli.py`` (flags, table, ``main``).
+The cost model (shape, memory, step time, one candidate's prediction, the constants) is library code in
+``easy_context/cost_model/`` (memory/auto.py uses it too); here: ``search.py`` (every candidate), ``launch.py``
+(accelerate command, train.py flags), ``packed.py`` (packed rows' layouts), ``cli.py`` (flags, table, ``main``).
 """
 from __future__ import annotations
 
 from .cli import MULTI_GPU_NOTE, PROG, build_parser, main, parse, rank_rows, render_table
-from .constants import (CHECKPOINTING, CONSTANTS_FILE, ZERO, C, GiB, PlanUsageError,
-                        gpu_constants, load_constants)
+from ...cost_model.constants import (CHECKPOINTING, CONSTANTS_FILE, ZERO, C, GiB, PlanUsageError,
+                                     gpu_constants, load_constants)
+from ...cost_model.memory import gpu_memory, host_memory
+from ...cost_model.options import Env, Option, layout_problem
+from ...cost_model.predict import predict
+from ...cost_model.shape import Shape, load_shape, model_flops_per_token, shape_from_dict
+from ...cost_model.step_time import compute_time, sp_comm_time, zero_time
 from .launch import accelerate_command, train_flags
-from .memory import gpu_memory, host_memory
-from .options import Env, Option, layout_problem
-from .predict import predict
 from .search import candidates, layouts
-from .shape import Shape, load_shape, model_flops_per_token, shape_from_dict
-from .step_time import compute_time, sp_comm_time, zero_time
 
 __all__ = ["main", "build_parser", "parse", "render_table", "rank_rows", "PROG", "MULTI_GPU_NOTE", "PlanUsageError",
            "load_constants", "gpu_constants", "C", "GiB", "CONSTANTS_FILE", "CHECKPOINTING", "ZERO",

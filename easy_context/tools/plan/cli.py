@@ -10,11 +10,11 @@ import math
 import sys
 from dataclasses import asdict
 
-from .constants import PlanUsageError, gpu_constants, load_constants
+from ...cost_model.constants import PlanUsageError, gpu_constants, load_constants
+from ...cost_model.options import Env
+from ...cost_model.shape import load_shape, model_flops_per_token
 from .launch import accelerate_command
-from .options import Env
 from .search import candidates
-from .shape import load_shape, model_flops_per_token
 
 PROG = "python -m easy_context plan"
 MULTI_GPU_NOTE = ("multi-GPU times use assumed NVLink / InfiniBand / PCIe bandwidths (plan_constants.json), not "

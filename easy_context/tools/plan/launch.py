@@ -1,7 +1,7 @@
 """How to run a candidate: the shipped accelerate config (+ DeepSpeed json) and train.py's flags."""
 from __future__ import annotations
 
-from .options import Env, mode_of
+from ...cost_model.options import Env, mode_of
 
 
 def accelerate_command(row: dict, env: Env) -> str:

@@ -6,10 +6,10 @@ import itertools
 from dataclasses import replace
 
 from ...registry import mode_names
-from .constants import CHECKPOINTING, ZERO
-from .options import Env, Option, layout_problem, mode_of
-from .predict import predict
-from .shape import Shape
+from ...cost_model.constants import CHECKPOINTING, ZERO
+from ...cost_model.options import Env, Option, layout_problem, mode_of
+from ...cost_model.predict import predict
+from ...cost_model.shape import Shape
 
 
 def layouts(shape: Shape, world: int, L: int):
@@ -52,8 +52,8 @@ def with_selective(shape: Shape, opt: Option, env: Env, row: dict | None = None)
     GPU memory it leaves holds (memory/auto.py's rule: usable memory less its margin, one output + LSE per layer);
     None if it does not fit or leaves no room for one."""
     from ...memory.auto import MARGIN
-    from .constants import C, GiB, gpu_constants
-    from .memory import attn_output_bytes
+    from ...cost_model.constants import C, GiB, gpu_constants
+    from ...cost_model.memory import attn_output_bytes
     row = row or predict(shape, opt, env)
     gpu_mem = env.gpu_mem_gib if env.gpu_mem_gib is not None else gpu_constants(env.gpu)["memory_gib"]
     room = gpu_mem * C("usable_gpu_fraction") * (1 - MARGIN) * GiB - row["gpu_peak_gib"] * GiB

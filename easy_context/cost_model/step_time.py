@@ -10,7 +10,7 @@ from .options import Env, Option, mode_of
 from .shape import Shape
 
 
-def _interp(table: dict, L: int) -> float:
+def interp(table: dict, L: int) -> float:
     """Log-length interpolation of a {length: value} table, clamped at its ends."""
     pts = sorted((int(k), float(v)) for k, v in table.items())
     if L <= pts[0][0]:
@@ -35,8 +35,8 @@ def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: f
     """(compute s of one micro-batch, attention fwd+bwd s per layer, attention fwd s per layer)."""
     L, B, sp, d, da = env.seq_len, env.batch, opt.sp, shape.hidden, shape.d_attn
     r_mm = g["matmul_tflops"] * 1e12
-    r_fb = _interp(g["attn_fwd_bwd_tflops"][kernel], L) * 1e12
-    r_f = _interp(g["attn_fwd_tflops"][kernel], L) * 1e12
+    r_fb = interp(g["attn_fwd_bwd_tflops"][kernel], L) * 1e12
+    r_f = interp(g["attn_fwd_tflops"][kernel], L) * 1e12
     load = C("ring_load_factor") if sp > 1 and mode_of(opt).uses_ring else 1.0
     attn_fwd_flops = 4.0 * B * attended_pairs(L, shape.window) * da / sp  # causal: 4·L²·d_attn / 2, split over sp
     if shape.window is not None and shape.window < L:  # FA4's local kernel runs below the causal one's throughput
