@@ -6,6 +6,8 @@ index); the loader's ``state_dict`` (epoch, batch) is stored in checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 
@@ -156,20 +158,20 @@ def pack_documents(token_docs, seq_length: int, output: str, bos_id, eos_id, pro
     from datasets.arrow_writer import ArrowWriter
 
     feats = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-    scratch = output.rstrip("/") + ".rows.arrow"  # streamed to disk: memory stays one row
-    with ArrowWriter(features=feats, path=scratch) as writer:
-        for r in rows():
-            writer.write(r)
-        writer.finalize()
-    ds = None
-    try:
-        ds = datasets.Dataset.from_file(scratch)
-        if len(ds) == 0:
-            raise UsageError(f"not enough tokens for one row of {row} tokens")
-        save_dataset_atomic(ds, output)
-    finally:
-        del ds
-        os.remove(scratch)
+    with scratch_dir(output) as work:  # streamed to disk (memory stays one row), in a directory of our own
+        scratch = os.path.join(work, "rows.arrow")
+        with ArrowWriter(features=feats, path=scratch) as writer:
+            for r in rows():
+                writer.write(r)
+            writer.finalize()
+        ds = None
+        try:
+            ds = datasets.Dataset.from_file(scratch)
+            if len(ds) == 0:
+                raise UsageError(f"not enough tokens for one row of {row} tokens")
+            save_dataset_atomic(ds, output)
+        finally:
+            del ds
     return output
 
 
@@ -200,25 +202,75 @@ def check_output_dataset(output: str, overwrite: bool = False, inputs: tuple = (
         raise UsageError(f"--output {output!r} already holds a prepared dataset; pass --overwrite to replace it")
 
 
+SCRATCH = ".prepare-"  # OUTPUT's sibling ``.NAME.prepare-XXXXXXXX``: created (mkdtemp) and removed by this tool only
+OWNER = "owner.json"
+
+
+@contextlib.contextmanager
+def scratch_dir(output: str):
+    """A new private directory next to ``output`` (same file system: the final rename is atomic), removed on exit.
+    Nothing that existed before is touched: the name is new (mkdtemp), so a user's ``OUTPUT.tmp`` / ``OUTPUT.old``
+    stay as they are. One left by a killed run (its owner's pid is dead) is cleaned up first."""
+    import socket
+    import tempfile
+    parent, name = os.path.split(os.path.abspath(output.rstrip("/")))
+    recover_scratch(output)
+    work = tempfile.mkdtemp(prefix=f".{name}{SCRATCH}", dir=parent)
+    with open(os.path.join(work, OWNER), "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "output": output}, f)
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def recover_scratch(output: str) -> None:
+    """Scratch directories of a killed ``prepare_data.py`` for ``output`` (ours by name, owner file and dead pid on
+    this host): a previous dataset it had moved aside is put back when ``output`` is missing, the rest removed."""
+    import socket
+    parent, name = os.path.split(os.path.abspath(output.rstrip("/")))
+    prefix = f".{name}{SCRATCH}"
+    for n in os.listdir(parent) if os.path.isdir(parent) else ():
+        work = os.path.join(parent, n)
+        try:
+            with open(os.path.join(work, OWNER)) as f:
+                owner = json.load(f)
+            pid, host = int(owner["pid"]), owner["host"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not n.startswith(prefix) or host != socket.gethostname() or _alive(pid):
+            continue
+        old = os.path.join(work, "old")
+        if os.path.isdir(old) and not os.path.exists(output):
+            os.replace(old, output)
+            print(f"note: put back {output} (a prepare_data.py run was killed while replacing it)", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def save_dataset_atomic(ds, output: str) -> None:
-    """save_to_disk into a sibling temp dir, then rename: ``output`` is either complete or absent. An existing
-    ``output`` (a dataset this tool wrote, see ``check_output_dataset``) is moved aside first and removed last."""
-    tmp = output.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    ds.save_to_disk(tmp)
-    with open(os.path.join(tmp, MARKER), "w") as f:
-        f.write("written by easy_context prepare_data.py\n")
-    old = None
-    if os.path.exists(output):
-        if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, MARKER)):
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise UsageError(f"refusing to replace {output!r}: it is not a dataset prepare_data.py wrote")
-        old = output.rstrip("/") + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(output, old)
-    os.replace(tmp, output)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    """save_to_disk into a new scratch directory next to ``output``, then rename: ``output`` is either complete or
+    absent. An existing ``output`` (a dataset this tool wrote, see ``check_output_dataset``) is moved into the
+    scratch directory first and removed with it; no other path is created or removed."""
+    with scratch_dir(output) as work:
+        tmp = os.path.join(work, "new")
+        ds.save_to_disk(tmp)
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            f.write("written by easy_context prepare_data.py\n")
+        if os.path.exists(output):
+            if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, MARKER)):
+                raise UsageError(f"refusing to replace {output!r}: it is not a dataset prepare_data.py wrote")
+            os.replace(output, os.path.join(work, "old"))
+        os.replace(tmp, output)
 
 
 def make_loader(ds, layout, batch_size: int, seq_length: int, seed: int, accelerator, balance: str = "auto"):

@@ -1,0 +1,75 @@
+"""Nothing lost, nothing silent (#47): the in-process half. Each test names the issue's item it covers; the
+launches under the default ZeRO-3 config (items 3, 4, 5, 7) are in tests/test_faults.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _dead_pid() -> int:
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(p.stdout)
+
+
+def _one_line(fn, capsys, needle, code=2) -> str:
+    with pytest.raises(SystemExit) as e:
+        fn()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == code, (e.value.code, err)
+    assert len(err) == 1 and needle in err[0], err
+    return err[0]
+
+
+# ------------------------------------------------------------------------------- 1. prepare_data's neighbours
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from easy_context.training.toy import build_tokenizer, make_corpus
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(make_corpus(20), str(d))
+    return str(d)
+
+
+def test_1_prepare_data_leaves_users_tmp_and_old_alone(tok, tmp_path):
+    import prepare_data
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"hello world number {i} and more"}) + "\n" for i in range(6)))
+    out = tmp_path / "ds"
+    for mine in ("ds.tmp", "ds.old", "ds.rows.arrow"):  # the user's, next to --output
+        (tmp_path / mine).mkdir()
+        (tmp_path / mine / "keep.txt").write_text(mine)
+
+    def prep(*extra):
+        prepare_data.main(["--dataset", str(data), "--tokenizer", tok, "--seq-length", "8", "--output", str(out),
+                           "--num-proc", "1", *extra])
+    prep()
+    prep("--overwrite")
+    prep("--overwrite", "--document-masking")  # the packed-rows writer (save_rows) too
+    for mine in ("ds.tmp", "ds.old", "ds.rows.arrow"):
+        assert (tmp_path / mine / "keep.txt").read_text() == mine
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "ds", "ds.old", "ds.rows.arrow", "ds.tmp"]
+    assert os.path.exists(out / ".easy_context_dataset")
+
+
+def test_1_a_killed_prepare_data_is_recovered_not_lost(tmp_path):
+    """A run killed between moving the old dataset aside and renaming the new one: the next run puts it back."""
+    import socket
+
+    from easy_context.training.data import recover_scratch
+    out = tmp_path / "ds"
+    work = tmp_path / ".ds.prepare-abc123"
+    (work / "old").mkdir(parents=True)
+    (work / "old" / "data.arrow").write_text("rows")
+    (work / "owner.json").write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname()}))
+    alive = tmp_path / ".ds.prepare-live"  # a running prepare_data.py's: untouched
+    alive.mkdir()
+    (alive / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    recover_scratch(str(out))
+    assert (out / "data.arrow").read_text() == "rows" and not work.exists() and alive.exists()
