@@ -73,3 +73,29 @@ def test_1_a_killed_prepare_data_is_recovered_not_lost(tmp_path):
     (alive / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     recover_scratch(str(out))
     assert (out / "data.arrow").read_text() == "rows" and not work.exists() and alive.exists()
+
+
+# ------------------------------------------------------------------------------- 2. a finished output dir
+def test_2_fresh_run_into_a_finished_dir_is_refused(tmp_path):
+    """What every recipe stage leaves: the final model, run.json, metrics.jsonl, no checkpoints/."""
+    from types import SimpleNamespace
+
+    from easy_context.training import run_dir
+    from easy_context.training.errors import UsageError
+    for name in ("config.json", "model.safetensors", "metrics.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    run_dir.atomic_write_json(str(tmp_path / "run.json"), {"run_id": "abc", "flags": {}})
+    args = SimpleNamespace(resume=False, overwrite_output_dir=False, log_file=str(tmp_path / "metrics.jsonl"))
+    with pytest.raises(UsageError, match=r"holds the outputs of run abc \(config.json, model.safetensors, "
+                                         r"metrics.jsonl\); a fresh run would replace them.*--overwrite-output-dir"):
+        run_dir.check_run(str(tmp_path), args, [])
+    with pytest.raises(UsageError, match="holds the final model of run abc .* no checkpoint to continue"):
+        run_dir.check_run(str(tmp_path), SimpleNamespace(**{**vars(args), "resume": True}), [])
+    run_dir.check_run(str(tmp_path), SimpleNamespace(**{**vars(args), "overwrite_output_dir": True}), [])
+    other = tmp_path / "elsewhere"  # --log-file outside the output dir, holding another run's lines
+    other.mkdir()
+    (other / "log.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(UsageError, match="log.jsonl"):
+        run_dir.check_run(str(other / "new"), SimpleNamespace(**{**vars(args), "log_file": str(other / "log.jsonl")}),
+                          [])
+    run_dir.check_run(str(other / "new"), SimpleNamespace(**{**vars(args), "log_file": str(other / "l2.jsonl")}), [])

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--keep-checkpoints", type=int, default=2, help="how many periodic checkpoints to keep")
     a("--resume", action="store_true", help="continue this output dir's run from its latest good checkpoint")
     a("--overwrite-output-dir", action="store_true",
-      help="start a fresh run in an output dir holding another run's checkpoints (they are deleted)")
+      help="start a fresh run in an output dir holding another run's checkpoints (they are deleted) or its final "
+      "model and metrics (replaced)")
     a("--save-rope-theta", type=float, default=None,
       help="RoPE theta written into the saved config (default: --rope-theta), e.g. 1e9 for the final model")
     a("--no-save-model", action="store_true", help="skip the final HF save (benchmarks)")

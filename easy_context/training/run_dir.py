@@ -2,8 +2,8 @@
 
 * ``run.json`` (written when a run starts fresh): the run id and a fingerprint of the flags. Checkpoints carry
   the run id; ``--resume`` continues only this directory's run, pruning only deletes this run's checkpoints,
-  and a fresh run into a directory holding another run's checkpoints is refused (``--overwrite-output-dir``
-  deletes them, ``--resume`` continues them).
+  and a fresh run into a directory holding another run's checkpoints, final model or metrics is refused
+  (``--overwrite-output-dir`` deletes / replaces them, ``--resume`` continues the checkpoints).
 * ``run.lock`` (O_EXCL): one run per output directory. A lock whose process is dead (same host) is stale and
   taken over with a warning; a live one is an error naming its pid and host.
 * Workers exit when their launcher dies (``exit_with_parent``: Linux PR_SET_PDEATHSIG), so a killed
@@ -44,16 +44,42 @@ def read_run(output_dir: str) -> dict | None:
         return None
 
 
+FINAL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "adapter_model.safetensors", "adapter_config.json")  # what a finished run leaves (save_outputs)
+
+
+def finished_outputs(output_dir: str, log_file: str | None = None) -> list[str]:
+    """The files of a finished (or at least logged) run a fresh start would replace: the final model, a
+    non-empty metrics log."""
+    found = [n for n in FINAL_FILES if os.path.isfile(os.path.join(output_dir, n))]
+    log = log_file or os.path.join(output_dir, "metrics.jsonl")
+    if os.path.isfile(log) and os.path.getsize(log) > 0:
+        found.append(log if os.path.dirname(os.path.abspath(log)) != os.path.abspath(output_dir)
+                     else os.path.basename(log))
+    return found
+
+
 def check_run(output_dir: str, args, checkpoints: list) -> None:
-    """Refuse to mix runs (read-only: every rank calls it and fails alike, before any collective)."""
+    """Refuse to mix runs or to replace a finished one (read-only: every rank calls it and fails alike, before any
+    collective)."""
     prev = read_run(output_dir)
+    who = f"run {prev['run_id']}" if prev else "an earlier run"
+    if getattr(args, "overwrite_output_dir", False):
+        return
     if checkpoints and not args.resume:
-        if not getattr(args, "overwrite_output_dir", False):
-            steps = ", ".join(str(s) for s, _ in checkpoints[-3:])
-            who = f"run {prev['run_id']}" if prev else "an earlier run"
-            raise UsageError(f"--output-dir {output_dir!r} holds checkpoints of {who} (steps {steps}); pass "
-                             "--resume to continue it, --overwrite-output-dir to delete them and start over, "
-                             "or choose another --output-dir")
+        steps = ", ".join(str(s) for s, _ in checkpoints[-3:])
+        raise UsageError(f"--output-dir {output_dir!r} holds checkpoints of {who} (steps {steps}); pass "
+                         "--resume to continue it, --overwrite-output-dir to delete them and start over, "
+                         "or choose another --output-dir")
+    done = finished_outputs(output_dir, getattr(args, "log_file", None))
+    if done and not args.resume:
+        raise UsageError(f"--output-dir {output_dir!r} holds the outputs of {who} ({', '.join(done)}); a fresh run "
+                         "would replace them: choose another --output-dir, or pass --overwrite-output-dir to replace "
+                         "them")
+    if args.resume and not checkpoints and any(n in done for n in FINAL_FILES):
+        raise UsageError(f"--resume: --output-dir {output_dir!r} holds the final model of {who} "
+                         f"({', '.join(done)}) and no checkpoint to continue (the run finished); choose another "
+                         "--output-dir, or drop --resume and pass --overwrite-output-dir to replace it")
 
 
 def begin_run(output_dir: str, args, checkpoints: list) -> None:
