@@ -74,7 +74,7 @@ def train(args):
     eval_rows = load_eval_rows(args)  # --eval-dataset: validated like --dataset, before any process group
     accelerator = make_accelerator(args)  # gloo on CPU, nccl on GPU
     layout = build_layout(args.parallel_mode, args.sp_size, args.ring_degree, args.seq_length, config)  # dp x sp
-    lock, run_id = open_run(args, accelerator)  # the output dir: one run at a time, this run's identity
+    lock, run_id = open_run(args, accelerator, config)  # the output dir: one run at a time; --resume checks flags
     set_seed(args.seed)
 
     # 2. Model: attention through the sp group, memory options, optimizer whose LR is --learning-rate.

@@ -99,3 +99,68 @@ def test_2_fresh_run_into_a_finished_dir_is_refused(tmp_path):
         run_dir.check_run(str(other / "new"), SimpleNamespace(**{**vars(args), "log_file": str(other / "log.jsonl")}),
                           [])
     run_dir.check_run(str(other / "new"), SimpleNamespace(**{**vars(args), "log_file": str(other / "l2.jsonl")}), [])
+
+
+# ------------------------------------------------------------------------------- 4. --resume checks the flags
+class _Acc:
+    """What open_run uses of an Accelerator (one process standing for ``world``)."""
+    def __init__(self, world=2):
+        self.is_main_process, self.num_processes, self.printed = True, world, []
+
+    def print(self, msg):
+        self.printed.append(msg)
+
+    def wait_for_everyone(self):
+        pass
+
+
+def _open(tmp_path, config, *extra, world=2):
+    from easy_context.training.args import parse_args
+    from easy_context.training.session import open_run
+    args = parse_args(["--model", "m", "--dataset", "d", "--output-dir", str(tmp_path / "out"), "--seq-length", "128",
+                       *extra])
+    acc = _Acc(world)
+    lock, run_id = open_run(args, acc, config)
+    lock.release()
+    return run_id, acc
+
+
+def test_4_resume_refuses_changed_flags_and_another_model(tmp_path, capsys):
+    import copy
+
+    from transformers import LlamaConfig
+
+    from easy_context.hf.config import set_rope_theta
+    from easy_context.training.errors import UsageError
+    from easy_context.training.run_dir import read_run
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=384)
+    run_id, _ = _open(tmp_path, cfg)
+    ck = tmp_path / "out" / "checkpoints" / "step-0000002"
+    ck.mkdir(parents=True)
+    (ck / "train_state.json").write_text(json.dumps({"step": 2, "run_id": run_id}))
+    assert _open(tmp_path, cfg, "--resume")[0] == run_id  # the same flags: continues
+    with pytest.raises(UsageError, match=r"was started with --seq-length 128 \(now 256\); rerun with the recorded "
+                                         r"value\(s\), or pass --accept-changed seq-length "):
+        _open(tmp_path, cfg, "--resume", "--seq-length", "256")
+    hot = copy.deepcopy(cfg)
+    set_rope_theta(hot, 20000.0)  # as load_config applies --rope-theta
+    with pytest.raises(UsageError, match=r"--parallel_mode 'zigzag_ring_attn' \(now 'ulysses_attn'\), --rope-theta "
+                                         r"10000 \(now 20000\).*--accept-changed parallel-mode,rope-theta"):
+        _open(tmp_path, hot, "--resume", "--parallel_mode", "ulysses_attn", "--rope-theta", "20000")
+    other = LlamaConfig(**{**cfg.to_dict(), "hidden_size": 32, "intermediate_size": 64})
+    with pytest.raises(UsageError, match=r"hold a different model \(llama, 2 layers, hidden 64, 4 heads \(2 kv\), "
+                                         r"vocab 384\) than --model 'm' \(llama, 2 layers, hidden 32.*cannot be loaded"):
+        _open(tmp_path, other, "--resume", "--accept-changed", "model")
+    with pytest.raises(UsageError, match="written by 2 processes and this launch has 4"):
+        _open(tmp_path, cfg, "--resume", world=4)
+    with pytest.raises(UsageError, match="LoRA rank 8"):
+        _open(tmp_path, cfg, "--resume", "--lora-rank", "8")
+    _, acc = _open(tmp_path, cfg, "--resume", "--seq-length", "256", "--accept-changed", "seq-length")  # a new stage
+    assert acc.printed == ["--resume --accept-changed: --seq-length 128 -> 256 (recorded in run.json)"]
+    rec = read_run(str(tmp_path / "out"))
+    assert rec["identity"]["seq_length"] == 256 and rec["history"][0]["changed"] == {"seq_length": [128, 256]}
+    _open(tmp_path, cfg, "--resume", "--seq-length", "256")  # now the recorded value
+    with pytest.raises(SystemExit):
+        _open(tmp_path, cfg, "--resume", "--accept-changed", "max-train-steps")
+    assert "--accept-changed: unknown name(s) max_train_steps" in capsys.readouterr().err

@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--checkpoint-every", type=int, default=0, help="save a resumable checkpoint every N steps (0 = off)")
     a("--keep-checkpoints", type=int, default=2, help="how many periodic checkpoints to keep")
     a("--resume", action="store_true", help="continue this output dir's run from its latest good checkpoint")
+    a("--accept-changed", default=None, metavar="NAMES",
+      help="--resume with flags other than the run was started with (refused otherwise): the names to accept, "
+      "comma-separated, e.g. seq-length,rope-theta for a new stage in the same directory (the model's architecture "
+      "and the process count cannot change)")
     a("--overwrite-output-dir", action="store_true",
       help="start a fresh run in an output dir holding another run's checkpoints (they are deleted) or its final "
       "model and metrics (replaced)")
@@ -254,6 +258,11 @@ def check_args(args) -> None:
                          "sequence-parallel mode (at --sp-size 1 too)")
     if args.resume and args.overwrite_output_dir:
         raise UsageError("--resume continues the run in --output-dir; --overwrite-output-dir deletes it: pass one")
+    if args.accept_changed is not None:
+        if not args.resume:
+            raise UsageError("--accept-changed applies to --resume only")
+        from .run_flags import accepted_keys
+        accepted_keys(args.accept_changed)
     if args.ring_degree is not None and "ring_degree" not in mode.degree_kwargs:
         raise UsageError(f"--ring_degree applies to {' / '.join(modes_taking('ring_degree'))} only "
                          f"(got --parallel_mode {args.parallel_mode})")

@@ -82,14 +82,19 @@ def check_run(output_dir: str, args, checkpoints: list) -> None:
                          "--output-dir, or drop --resume and pass --overwrite-output-dir to replace it")
 
 
-def begin_run(output_dir: str, args, checkpoints: list) -> None:
-    """Main process, after ``check_run``: keep the run id when resuming, else write a new ``run.json``."""
+def begin_run(output_dir: str, args, checkpoints: list, identity: dict | None = None,
+              changes: dict | None = None) -> None:
+    """Main process, after ``check_run``: when resuming keep the run id (and record this launch's identity, accepted
+    changes in ``history``: ``run_flags``), else write a new ``run.json``."""
     prev = read_run(output_dir)
     if args.resume and prev is not None:
+        if identity is not None:
+            from .run_flags import updated_record
+            atomic_write_json(os.path.join(output_dir, RUN_FILE), updated_record(prev, identity, changes or {}))
         return
     run_id = "legacy" if args.resume and checkpoints else uuid.uuid4().hex[:12]  # pre-run.json dirs are adopted
-    atomic_write_json(os.path.join(output_dir, RUN_FILE),
-                      {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "flags": fingerprint(args)})
+    rec = {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "flags": fingerprint(args)}
+    atomic_write_json(os.path.join(output_dir, RUN_FILE), rec if identity is None else {**rec, "identity": identity})
 
 
 def atomic_write_json(path: str, obj) -> None:
