@@ -164,3 +164,49 @@ def test_4_resume_refuses_changed_flags_and_another_model(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _open(tmp_path, cfg, "--resume", "--accept-changed", "max-train-steps")
     assert "--accept-changed: unknown name(s) max_train_steps" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- 5. disk full in the final save
+class _RankAcc:
+    def __init__(self, rank):
+        import torch
+        self.is_main_process, self.device = rank == 0, torch.device("cpu")
+
+
+def _final_save_fails(rank, world, out):
+    """Rank 0's write hits a real OS limit (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC) mid-file."""
+    import resource
+    import signal
+
+    from easy_context.training import checkpoint as ckpt
+
+    def write(tmp):
+        os.makedirs(tmp, exist_ok=True)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            f.write("{}")
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            with open(os.path.join(tmp, "model.safetensors"), "wb") as f:
+                f.write(b"w" * 10000)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    with pytest.raises(ckpt.FinalSaveError) as e:  # every rank raises (none waits at a barrier), exit 74 on each
+        ckpt.write_final(_RankAcc(rank), out, write, last="config.json", need=10000)
+    assert e.value.code == 74 and e.value.local == (rank == 0)
+    if rank == 0:
+        msg = str(e.value)
+        assert msg.startswith(f"cannot write the final model to {out} after step 0: File too large "
+                              f"({out}/.final.tmp; "), msg
+        assert "free of" in msg and "the model takes 9.8 KiB); nothing of it was kept and no checkpoint exists: " \
+            "raise the file-size limit (ulimit -f)" in msg and "--overwrite-output-dir" in msg, msg
+    import torch.distributed as dist
+    dist.barrier()
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"]  # no .final.tmp, no half model
+
+
+def test_5_disk_full_in_the_final_save_is_one_error_on_every_rank(tmp_path):
+    from tests.harness import run_ranks
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    run_ranks(_final_save_fails, world_size=2, args=(str(tmp_path),), timeout=120, collective_timeout=30)

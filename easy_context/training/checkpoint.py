@@ -112,34 +112,91 @@ def _agree_failed(accelerator, failed: bool) -> bool:
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _space(e: Exception, where: str) -> tuple[str, str, str]:
+    """(the OS's reason, free space at ``where``, what to do) for a failed write."""
+    import errno
+    try:
+        du = shutil.disk_usage(where)
+        space = f"{_size(du.free)} free of {_size(du.total)} there"
+    except OSError:
+        space = "free space unknown"
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    code = getattr(e, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e):
+        fix = "Free space (or raise the quota)"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "Make the directory writable"
+    elif code == errno.EFBIG:
+        fix = "Raise the file-size limit (ulimit -f) or use another file system"
+    else:
+        fix = "Check the file system"
+    return why, space, fix
 
 
 def _write_error(e: Exception, final: str, output_dir: str) -> str:
     """Which path, how much space, what to do."""
-    import errno
     target = getattr(e, "filename", None) or final
-    try:
-        du = shutil.disk_usage(ckpt_root(output_dir))
-        space = f"{_size(du.free)} free of {_size(du.total)} there"
-    except OSError:
-        space = "free space unknown"
+    why, space, fix = _space(e, ckpt_root(output_dir))
     prev = latest_checkpoint(output_dir)
     need = ""
     if prev:
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(prev) for f in fs)
         need = f", the last checkpoint took {_size(size)}"
-    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-    code = getattr(e, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        fix = "Free space (or raise the quota), or lower --keep-checkpoints"
-    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "Make the directory writable"
-    else:
-        fix = "Check the file system"
+    fix = fix + ", or lower --keep-checkpoints" if fix.startswith("Free") else fix
     kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
     return (f"cannot write checkpoint {final}: {why} ({target}; {space}{need}); nothing was kept of it and "
             f"{kept}. {fix}, then rerun with --resume")
+
+
+class FinalSaveError(CheckpointWriteError):
+    """The final model could not be written (train.py exits 74 too); nothing of it is left in the output dir."""
+
+
+def write_final(accelerator, output_dir: str, write, last: str, need: int = 0) -> None:
+    """The final model: ``write(tmp)`` on the main process into ``OUTPUT/.final.tmp``, whose files are then moved into
+    ``output_dir`` (``last`` last). Call it on every rank after the collectives that gather the weights: a write that
+    fails (disk full, quota, read-only) is agreed on by one all-reduce, the temp dir is removed, and every rank raises
+    ``FinalSaveError`` (the main process's says which path, the space, the last checkpoint and what to do)."""
+    import torch.distributed as dist
+
+    from ..phase import TRACKER, phase
+    tmp = os.path.join(output_dir, ".final.tmp")
+    err = None
+    if accelerator.is_main_process:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            write(tmp)
+            if injected("disk_full", "final"):  # fault injection for the tests: the disk fills mid-save
+                import errno
+                part = os.path.join(tmp, "model.safetensors")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), part)
+            replace_dir_contents(tmp, output_dir, last=last)
+        except dist.DistError:
+            raise
+        except Exception as e:  # noqa: BLE001 - OSError, torch's RuntimeError, safetensors' SafetensorError
+            if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
+                raise  # a bug, not a failed write: keep its traceback
+            err = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    with phase("final save"):
+        failed = _agree_failed(accelerator, err is not None)
+    if not failed:
+        return
+    if err is None:
+        raise FinalSaveError("the main process could not write the final model", False)
+    why, space, fix = _space(err, output_dir)
+    prev, step = latest_checkpoint(output_dir), TRACKER.step
+    model = f", the model takes {_size(need)}" if need else ""
+    fix = fix[0].lower() + fix[1:]
+    then = (f"the last checkpoint {prev} is intact: {fix}, then rerun with --resume (the steps after it are trained "
+            "again)" if prev else f"no checkpoint exists: {fix}, then rerun with --overwrite-output-dir "
+            "(--checkpoint-every N keeps one)")
+    raise FinalSaveError(f"cannot write the final model to {output_dir} after step {step}: {why} "
+                         f"({getattr(err, 'filename', None) or tmp}; {space}{model}); nothing of it was kept and "
+                         f"{then}", True)
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extra: dict | None = None,
