@@ -69,7 +69,8 @@ def train(args):
     moe_coef = aux_coef(config, args)  # MoE router load-balancing loss (0 = off)
     if args.save_rope_theta is None:  # the theta trained with (the model's own when --rope-theta is unset)
         args.save_rope_theta = get_rope_theta(config)
-    data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length)
+    data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length,
+                           config.vocab_size, args.model)  # + every token id inside the vocabulary
 
     eval_rows = load_eval_rows(args)  # --eval-dataset: validated like --dataset, before any process group
     accelerator = make_accelerator(args)  # gloo on CPU, nccl on GPU

@@ -210,3 +210,24 @@ def test_5_disk_full_in_the_final_save_is_one_error_on_every_rank(tmp_path):
     from tests.harness import run_ranks
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     run_ranks(_final_save_fails, world_size=2, args=(str(tmp_path),), timeout=120, collective_timeout=30)
+
+
+# ------------------------------------------------------------------------------- 6. ids outside the vocabulary
+def test_6_token_ids_outside_the_vocabulary_are_refused(tmp_path):
+    import datasets
+
+    from easy_context.training.data import load_any_dataset, validate_packed
+    from easy_context.training.errors import UsageError
+    ok = [list(range(9)), list(range(10, 19))]
+    for rows, needle in (([ok[0], [5, 6, 999999, 7, 8, 9, 1, 2, 3]], r"row 1: token id 999999 at index 2 is outside the "
+                                                                    r"vocabulary of --model m \(vocab_size 384: ids 0..383\)"),
+                         ([[-5] + ok[0][1:], ok[1]], r"row 0: token id -5 at index 0")):
+        path = tmp_path / f"d{len(needle)}"
+        datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(path))
+        with pytest.raises(UsageError, match=needle):
+            validate_packed(load_any_dataset(str(path)), str(path), 8, 384, "m")
+    labels = tmp_path / "labels"
+    datasets.Dataset.from_dict({"input_ids": ok, "labels": [[-100] * 9, [1] * 8 + [384]]}).save_to_disk(str(labels))
+    with pytest.raises(UsageError, match=r"row 1: label \(a token id or -100\) 384 at index 8"):
+        validate_packed(load_any_dataset(str(labels)), str(labels), 8, 384, "m")
+    validate_packed(load_any_dataset(str(labels)), str(labels), 8, 385, "m")  # -100 is not an id: fine

@@ -67,9 +67,10 @@ def _load_any_dataset(name: str, split: str = "train", subset: str | None = None
 OPTIONAL = ("labels", "position_ids")  # packed documents / chat data (training/packed_data.py)
 
 
-def validate_packed(ds, name: str, seq_length: int):
+def validate_packed(ds, name: str, seq_length: int, vocab_size: int | None = None, model: str | None = None):
     """Keep ``input_ids`` (+ ``labels``/``position_ids`` when present); every row must hold >= seq_length + 1
-    tokens (checked on Arrow offsets); labels/positions rows must match (checked row by row, vectorised)."""
+    tokens (checked on Arrow offsets); labels/positions rows must match (checked row by row, vectorised); with
+    ``vocab_size`` (the model's), every token id (and label other than -100) must be in [0, vocab_size)."""
     if "input_ids" not in ds.column_names:
         raise UsageError(f"dataset {name!r} has no 'input_ids' column (columns: {', '.join(ds.column_names)}); "
                          + PREP_HINT.format(L=seq_length))
@@ -87,7 +88,43 @@ def validate_packed(ds, name: str, seq_length: int):
                          f">= {seq_length + 1} per row; " + PREP_HINT.format(L=seq_length))
     if len(ds.column_names) > 1:
         _check_packed_columns(ds, name)
+    if vocab_size is not None:
+        _check_token_ids(ds, name, vocab_size, model)
     return ds.with_format("torch")
+
+
+def _check_token_ids(ds, name: str, vocab_size: int, model: str | None) -> None:
+    """Every id in [0, vocab_size) (labels: or -100): one pass of Arrow min/max per column, the first bad one
+    located only when there is one. An id outside the embedding would crash mid-step (or index memory on a GPU)."""
+    import numpy as np
+    import pyarrow.compute as pc
+    table = ds.data.table if ds._indices is None else ds.with_format(None).data.table
+    for col in ("input_ids", "labels"):
+        if col not in table.column_names:
+            continue
+        flat = pc.list_flatten(table.column(col))
+        vals = pc.filter(flat, pc.not_equal(flat, -100)) if col == "labels" else flat
+        mm = pc.min_max(vals).as_py() if len(vals) else {"min": 0, "max": 0}
+        if mm["min"] >= 0 and mm["max"] < vocab_size:
+            continue
+        base = 0
+        for rb in table.select([col]).to_batches(max_chunksize=256):
+            arr = rb.column(0)
+            ids = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+            bad = (ids < 0) | (ids >= vocab_size)
+            if col == "labels":
+                bad &= ids != -100
+            if bad.any():
+                i = int(np.nonzero(bad)[0][0])
+                ends = np.cumsum(pc.list_value_length(arr).to_numpy(zero_copy_only=False))
+                row = int(np.searchsorted(ends, i, side="right"))
+                at = i - (int(ends[row - 1]) if row else 0)
+                what = "token id" if col == "input_ids" else "label (a token id or -100)"
+                raise UsageError(f"dataset {name!r} row {base + row}: {what} {ids[i]} at index {at} is outside the "
+                                 f"vocabulary of --model {model or 'the model'} (vocab_size {vocab_size}: ids 0.."
+                                 f"{vocab_size - 1}); was it tokenized with another tokenizer? "
+                                 + PREP_HINT.format(L="N").replace("MODEL", model or "MODEL"))
+            base += rb.num_rows
 
 
 def _check_packed_columns(ds, name: str) -> None:
