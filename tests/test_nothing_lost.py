@@ -231,3 +231,41 @@ def test_6_token_ids_outside_the_vocabulary_are_refused(tmp_path):
     with pytest.raises(UsageError, match=r"row 1: label \(a token id or -100\) 384 at index 8"):
         validate_packed(load_any_dataset(str(labels)), str(labels), 8, 384, "m")
     validate_packed(load_any_dataset(str(labels)), str(labels), 8, 385, "m")  # -100 is not an id: fine
+
+
+# ------------------------------------------------------------------------------- 8. colliding step numbers
+class _SaveAcc:
+    is_main_process = True
+
+    def __init__(self, fill=b"w"):
+        self.fill = fill
+
+    def save_state(self, path):
+        with open(os.path.join(path, "model.bin"), "wb") as f:
+            f.write(self.fill * 5000)
+
+    def wait_for_everyone(self):
+        pass
+
+
+def test_8_another_runs_checkpoint_of_the_same_step_is_never_replaced(tmp_path):
+    from easy_context.training import checkpoint as ckpt
+    from easy_context.training import run_dir
+    from easy_context.training.errors import UsageError
+    out = str(tmp_path / "out")
+    ckpt.save_checkpoint(_SaveAcc(b"o"), out, 10, keep=5, run_id="old")
+    ckpt.save_checkpoint(_SaveAcc(b"n"), out, 4, keep=5, run_id="new")
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"step-0000010: that step's checkpoint belongs to run old, "
+                                                        r"not to this run \(new\); it was not replaced") as e:
+        ckpt.save_checkpoint(_SaveAcc(b"n"), out, 10, keep=5, run_id="new")
+    assert e.value.code == 74
+    found = ckpt.list_checkpoints(out)
+    assert [s for s, _ in found] == [4, 10] and run_dir.run_of(found[1][1]) == "old"
+    assert open(os.path.join(found[1][1], "model.bin"), "rb").read(1) == b"o" and not run_dir.verify_checkpoint(
+        found[1][1])
+    ckpt.save_checkpoint(_SaveAcc(b"n"), out, 4, keep=5, run_id="new")  # its own step: re-saved
+    run_dir.atomic_write_json(os.path.join(out, "run.json"), {"run_id": "new"})
+    with pytest.raises(UsageError, match=r"holds checkpoints of another run at steps this run \(run new\) will "
+                                         r"reach: step-0000010 \(run old\)"):  # --resume: refused at the start
+        run_dir.check_collisions(out, found)
+    run_dir.check_collisions(out, found[:1])

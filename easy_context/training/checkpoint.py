@@ -251,6 +251,12 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
                 json.dump({"step": step, "run_id": run_id, **(extra or {})}, f)
             write_manifest(tmp)  # sizes + checksums, checked by --resume
 
+    owner = run_of(final) if os.path.isdir(final) else None
+    if os.path.isdir(final) and not owned_by(owner, run_id):  # every rank sees it: all raise, before any collective
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {final}: that step's checkpoint belongs to "
+            f"{'run ' + owner if owner else 'an earlier run (no run id)'}, not to this run ({run_id}); it was not "
+            f"replaced. Move it out of {parent}, then rerun with --resume", main)
     with phase("checkpoint"):
         attempt(start)
         attempt(shards)
@@ -264,6 +270,12 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def owned_by(owner: str | None, run_id: str | None) -> bool:
+    """Whether a checkpoint whose train_state.json names ``owner`` is this run's (older ones name none: only a run
+    adopted as "legacy" owns those)."""
+    return owner == run_id or owner is None and run_id in (None, "legacy")
 
 
 def injected(where: str, step: int) -> bool:

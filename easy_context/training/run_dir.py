@@ -82,6 +82,22 @@ def check_run(output_dir: str, args, checkpoints: list) -> None:
                          "--output-dir, or drop --resume and pass --overwrite-output-dir to replace it")
 
 
+def check_collisions(output_dir: str, checkpoints: list) -> None:
+    """``--resume``: another run's checkpoint at a step after this run's latest would be in the way of a later save
+    (never written over: ``save_checkpoint``); refuse now, not days into the run. Read-only, every rank."""
+    from .checkpoint import owned_by
+    prev = read_run(output_dir)
+    run_id = prev["run_id"] if prev else "legacy"
+    owners = [(s, p, run_of(p)) for s, p in checkpoints]
+    mine = [s for s, _, o in owners if owned_by(o, run_id)]
+    ahead = [(p, o) for s, p, o in owners if not owned_by(o, run_id) and s > max(mine, default=0)]
+    if ahead:
+        names = ", ".join(f"{os.path.basename(p)} ({'run ' + o if o else 'no run id'})" for p, o in ahead[:3])
+        raise UsageError(f"--resume: {os.path.join(output_dir, 'checkpoints')} holds checkpoints of another run at "
+                         f"steps this run (run {run_id}) will reach: {names}; they are never written over, so move "
+                         "them out of the directory (or choose another --output-dir)")
+
+
 def begin_run(output_dir: str, args, checkpoints: list, identity: dict | None = None,
               changes: dict | None = None) -> None:
     """Main process, after ``check_run``: when resuming keep the run id (and record this launch's identity, accepted

@@ -22,6 +22,7 @@ def open_run(args, accelerator, config=None):
     now = run_flags.identity(args, config, accelerator.num_processes)
     changes = {}
     if args.resume and found:  # there is a checkpoint to load: it must be this run's model, layout and meaning
+        run_dir.check_collisions(args.output_dir, found)  # another run's checkpoints at steps this run will save
         changes = run_flags.check_resume(args.output_dir, run_dir.read_run(args.output_dir), now,
                                          run_dir.fingerprint(args),
                                          run_flags.accepted_keys(getattr(args, "accept_changed", None)))
