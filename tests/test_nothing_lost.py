@@ -269,3 +269,21 @@ def test_8_another_runs_checkpoint_of_the_same_step_is_never_replaced(tmp_path):
                                          r"reach: step-0000010 \(run old\)"):  # --resume: refused at the start
         run_dir.check_collisions(out, found)
     run_dir.check_collisions(out, found[:1])
+
+
+# ------------------------------------------------------------------------------- 9. every path checked first
+def test_9_unwritable_log_file_is_one_line_before_anything_loads(tmp_path, capsys):
+    from easy_context.training.args import parse_args
+    out = str(tmp_path / "out")
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    for log, needle in (("/proc/no/metrics.jsonl", "--log-file (its directory) '/proc/no' is not writable ('/proc' "
+                                                   "does not allow creating files: No such file or directory)"),
+                        (str(f / "metrics.jsonl"), "a_file' is a file, not a directory"),
+                        (str(tmp_path), "--log-file " + repr(str(tmp_path)) + " is a directory")):
+        _one_line(lambda: parse_args(["--output-dir", out, "--log-file", log]), capsys, needle)
+    (tmp_path / "o2").mkdir()
+    (tmp_path / "o2" / "checkpoints").write_text("x")
+    _one_line(lambda: parse_args(["--output-dir", str(tmp_path / "o2")]), capsys, "checkpoints/ ")
+    parse_args(["--output-dir", out, "--log-file", str(tmp_path / "logs" / "m.jsonl")])  # creatable: fine
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "o2"]  # the probes left nothing behind

@@ -272,5 +272,9 @@ def check_args(args) -> None:
     check_model_path(args.model)
     from .run_dir import check_writable_dir
     check_writable_dir(args.output_dir)
+    check_writable_dir(os.path.join(args.output_dir, "checkpoints"), "--output-dir's checkpoints/")  # preemption saves
     if args.log_file is None:
         args.log_file = os.path.join(args.output_dir, "metrics.jsonl")
+    else:  # every path the run writes is checked before the model loads
+        from .run_dir import check_writable_file
+        check_writable_file(args.log_file, "--log-file")
