@@ -287,3 +287,24 @@ def test_9_unwritable_log_file_is_one_line_before_anything_loads(tmp_path, capsy
     _one_line(lambda: parse_args(["--output-dir", str(tmp_path / "o2")]), capsys, "checkpoints/ ")
     parse_args(["--output-dir", out, "--log-file", str(tmp_path / "logs" / "m.jsonl")])  # creatable: fine
     assert sorted(os.listdir(tmp_path)) == ["a_file", "o2"]  # the probes left nothing behind
+
+
+# ------------------------------------------------------------------------------- 10. plan --doc-median
+@pytest.mark.parametrize("flags,needle", [
+    (["--doc-median", "0"], "--doc-median must be a positive number of tokens, got 0"),
+    (["--doc-median", "-5"], "--doc-median must be a positive number of tokens, got -5"),
+    (["--doc-median", "nan"], "--doc-median must be a positive number of tokens, got nan"),
+    (["--doc-median", "inf"], "--doc-median must be a positive number of tokens, got inf"),
+    (["--doc-median", "1000", "--doc-sigma", "nan"], "--doc-sigma must be a number >= 0 (the log-normal's sigma), got nan"),
+])
+def test_10_plan_bad_doc_median_is_one_line(flags, needle, capsys):
+    from easy_context.__main__ import main
+    assert main(["plan", "--model", "llama-2-7b", "--seq-length", "65536", "--gpus", "8", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m easy_context plan: error: {needle}"], err
+
+
+def test_10_plan_doc_median_longer_than_the_row(capsys):
+    from easy_context.__main__ import main
+    assert main(["plan", "--model", "llama-2-7b", "--seq-length", "65536", "--gpus", "8", "--doc-median", "1e30"]) == 0
+    assert "zigzag" in capsys.readouterr().out
