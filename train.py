@@ -27,12 +27,14 @@ import time
 from easy_context.training.args import parse_args
 from easy_context.training.errors import UsageError, fail
 from easy_context.training.faults import Guard, handle_fault
+from easy_context.training.op_build import watch_op_builds
 from easy_context.training.run_dir import exit_with_parent
 
 
 def main(argv=None):
     args = parse_args(argv)  # one-line errors for bad flags, before heavy imports
     exit_with_parent()  # a killed launcher never leaves ranks training
+    watch_op_builds(args.build_lock_timeout)  # start-up: a stale DeepSpeed op-build lock is one line (exit 5)
     try:
         train(args)
     except UsageError as e:

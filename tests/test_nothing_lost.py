@@ -308,3 +308,51 @@ def test_10_plan_doc_median_longer_than_the_row(capsys):
     from easy_context.__main__ import main
     assert main(["plan", "--model", "llama-2-7b", "--seq-length", "65536", "--gpus", "8", "--doc-median", "1e30"]) == 0
     assert "zigzag" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------- 12. a stale op-build lock
+_LOADER = """
+import sys
+if sys.argv[1] == "watch":
+    from easy_context.training.op_build import watch_op_builds
+    watch_op_builds(1.0, interval=0.2)
+from deepspeed.ops.op_builder import CPUAdamBuilder
+CPUAdamBuilder().load()  # waits on TORCH_EXTENSIONS_DIR/cpu_adam/lock as every DeepSpeed launch does
+"""
+
+
+def test_12_stale_op_build_lock_is_one_line_not_a_silent_hang(tmp_path):
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))  # left by a build killed an hour ago
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    holder = subprocess.Popen([sys.executable, "-c", f"import os, sys, time; fd = os.open({str(lock)!r}, os.O_RDONLY); "
+                               "print('held', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"  # as a live build keeps it open
+    p = subprocess.Popen([sys.executable, "-c", _LOADER, "watch"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(6)
+        assert p.poll() is None, p.communicate()  # a lock a live process holds is waited for, as torch does
+        holder.kill()
+        out, err = p.communicate(timeout=60)
+    finally:
+        holder.kill()
+        p.kill()
+    lines = [ln for ln in err.splitlines() if "error" in ln.lower()]
+    assert p.returncode == 5 and len(lines) == 1, (p.returncode, err[-3000:])
+    assert lines[0].startswith(f"train.py: error: the JIT build of DeepSpeed's ops waits for the lock {lock}, left "
+                               "1.0 h ago by a build that no process holds any more"), lines
+    assert f"Remove it: rm {lock}, then rerun" in lines[0], lines
+
+
+def test_12_lock_holders_are_found_in_proc(tmp_path):
+    from easy_context.training.op_build import holders, lock_files, stale_locks
+    lock = tmp_path / "py311_cpu" / "op" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    assert lock_files(str(tmp_path)) == [str(lock)] and holders(str(lock)) == []
+    with open(lock) as f:  # noqa: F841 - held open by this process
+        assert holders(str(lock)) == [os.getpid()] and stale_locks(str(tmp_path), -1) == []
+    assert [p for p, _ in stale_locks(str(tmp_path), -1)] == [str(lock)] and stale_locks(str(tmp_path), 60) == []

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--collective-timeout", "--timeout", dest="timeout", type=duration, default=600.0,
       help="a collective waiting this long for a peer stops every rank, naming the silent rank and the phase "
       "(docs/faults.md): 90s, 10m, 1h or plain seconds (default 10m; torch's own is 30m)")
+    a("--build-lock-timeout", type=duration, default=300.0,
+      help="start-up: a lock of the JIT build of DeepSpeed's ops (torch_extensions/.../lock) this old that no process "
+      "holds (a run killed while compiling) stops the launch with the fix instead of waiting forever (default 5m)")
     # memory options (easy_context.memory)
     a("--checkpointing", choices=CHECKPOINTING, default="layer",
       help="activation checkpointing: per layer (HF), selective (keep attention output), offload (kept layer "
@@ -129,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 FLOAT_FLAGS = ("--learning-rate", "--rope-theta", "--rope-factor", "--min-lr-ratio", "--weight-decay",
                "--max-grad-norm", "--save-rope-theta", "--collective-timeout", "--timeout", "--lora-alpha",
-               "--router-aux-loss-coef", "--gpu-budget-gib", "--host-budget-gib", "--auto-margin")
+               "--router-aux-loss-coef", "--gpu-budget-gib", "--host-budget-gib", "--auto-margin",
+               "--build-lock-timeout")
 
 
 def _join_negative_numbers(argv: list[str]) -> list[str]:
@@ -220,7 +224,8 @@ def check_args(args) -> None:
             ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm >= 0, ">= 0 (0 = no clipping)"),
             ("--router-aux-loss-coef", args.router_aux_loss_coef,
              args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0, ">= 0"),
-            ("--collective-timeout", args.timeout, args.timeout > 0, "> 0 seconds")):
+            ("--collective-timeout", args.timeout, args.timeout > 0, "> 0 seconds"),
+            ("--build-lock-timeout", args.build_lock_timeout, args.build_lock_timeout > 0, "> 0 seconds")):
         if not ok:
             raise UsageError(f"{flag} must be {want}, got {val:g}")
     if args.warmup_steps < 0 or args.checkpoint_every < 0 or args.keep_checkpoints < 0:

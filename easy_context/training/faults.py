@@ -33,6 +33,8 @@ _active: list = []  # the Guard of this process (handle_fault reads it; per proc
 class Guard:
     def __init__(self, args, accelerator, model=None):
         self.args, self.accelerator = args, accelerator
+        from .op_build import stop
+        stop()  # the start-up (and DeepSpeed's op builds) is over
         self.preemption = Preemption()
         world = accelerator.num_processes
         self.watchdog = Watchdog(accelerator.process_index, world, args.timeout, PROG) if world > 1 else None
