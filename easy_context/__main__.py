@@ -12,6 +12,7 @@ COMMANDS = {
     "check": ("easy_context.tools.check", "does sequence parallelism reproduce the single-process model "
                                           "for a config? (logits, loss, gradients; PASS/FAIL)"),
     "plan": ("easy_context.tools.plan", "plan a parallel layout for a model and sequence length"),
+    "launch": ("easy_context.tools.launch", "accelerate launch with the rendezvous store on loopback (one node)"),
 }
 
 

@@ -356,3 +356,80 @@ def test_12_lock_holders_are_found_in_proc(tmp_path):
     with open(lock) as f:  # noqa: F841 - held open by this process
         assert holders(str(lock)) == [os.getpid()] and stale_locks(str(tmp_path), -1) == []
     assert [p for p, _ in stale_locks(str(tmp_path), -1)] == [str(lock)] and stale_locks(str(tmp_path), 60) == []
+
+
+# ------------------------------------------------------------------------------- 11. rendezvous and heartbeats
+def test_11_watchdog_never_signals_a_pid_only_a_heartbeat_names(monkeypatch):
+    """Anything that reaches the store can write a heartbeat: a forged one naming a stopped process that is not a
+    worker of this launch gets neither a SIGKILL nor a 'stopped' in the line."""
+    import datetime
+    import signal
+    import socket
+
+    import torch.distributed as dist
+
+    from easy_context.training.watchdog import Watchdog
+    from easy_context.tools.gloo import free_port
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))  # noqa: F841
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dog = Watchdog(0, 2, 10.0)
+    dog.close()
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(victim.pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        dog.store.set(dog.keys("hb", 1), json.dumps({"t": time.time() - 30, "phase": "all-to-all", "step": 3,
+                                                     "pid": victim.pid, "host": socket.gethostname()}))
+        dog.kill_stopped()
+        time.sleep(0.3)
+        assert victim.poll() is None, "the watchdog killed a process a heartbeat named"
+        line, _ = dog.describe("no progress")
+        assert f"rank 1 (pid {victim.pid} on {socket.gethostname()}) is not responding" in line, line
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def _listening(rank, world, port):
+    import psutil
+    if rank == 0:
+        addrs = {c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert addrs == {"127.0.0.1"}, addrs  # torch's own: {"::"} or {"0.0.0.0"}, every interface
+
+
+def test_11_groups_this_package_sets_up_listen_on_loopback():
+    from easy_context.tools.gloo import free_port
+    from tests.harness import run_ranks
+    import tests.harness as h
+    port = free_port()
+    real = h.free_port
+    h.free_port = lambda: port  # the harness's port, known to the body
+    try:
+        run_ranks(_listening, world_size=2, args=(port,), timeout=60, collective_timeout=30)
+    finally:
+        h.free_port = real
+
+
+def test_11_launcher_store_listens_on_loopback():
+    """`python -m easy_context launch`'s agent store (torch elastic's static rendezvous, in that process)."""
+    import datetime
+
+    import psutil
+
+    from easy_context.rendezvous import patch_launcher
+    from easy_context.tools.gloo import free_port
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+    assert patch_launcher()
+    port = free_port()
+    rdzv = StaticTCPRendezvous("127.0.0.1", port, 0, 1, "test", 10)
+    info = rdzv.next_rendezvous()
+    info.store.set("k", "v")
+    addrs = {c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert addrs == {"127.0.0.1"}, addrs
+    import torch.distributed as dist
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    assert dist.PrefixStore("test", client).get("k") == b"v"  # the workers' view, unchanged
