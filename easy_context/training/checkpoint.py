@@ -294,10 +294,45 @@ def load_checkpoint(accelerator, path: str) -> dict:
     """Restore model/optimizer/scheduler/RNG from ``path``; returns train_state.json (``step``, ``data``)."""
     from ..phase import TRACKER
     accelerator.load_state(path)
+    resync_cpu_adam(accelerator)  # DeepSpeed's CPU Adam: the same bias-correction bits as an unbroken run
     with open(os.path.join(path, "train_state.json")) as f:
         state = json.load(f)
     TRACKER.step = state["step"]  # the fault reports count steps from here
     return state
+
+
+def resync_cpu_adam(accelerator) -> int:
+    """Make DeepSpeed's CPU Adam continue bit for bit after a resume; returns the step replayed (0: nothing to do).
+
+    Its C++ optimizer keeps beta1^t and beta2^t as float32 running products (one multiply per step,
+    ``Adam_Optimizer::IncrementStep``); a fresh optimizer whose first step is t+1 computes ``pow(beta, t+1)`` instead,
+    which differs in the last bit for some t (e.g. 10 with betas 0.9 / 0.95), so the bias corrections, then the
+    weights and from a step or two later the loss, drifted (~1e-7) from an unbroken run. Replaying steps 1..t on a
+    one-element dummy (the same C++ optimizer, ``adam_update``) rebuilds exactly the products an unbroken run holds."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        return 0
+    import torch
+    done = 0
+    for opt in getattr(accelerator, "_optimizers", []):
+        for _ in range(4):  # AcceleratedOptimizer -> ZeRO optimizer -> CPU Adam
+            if isinstance(opt, DeepSpeedCPUAdam) or opt is None:
+                break
+            opt = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DeepSpeedCPUAdam):
+            continue
+        steps = [int(st["step"]) for st in opt.state.values() if "step" in st]
+        betas = {tuple(g["betas"]) for g in opt.param_groups}
+        if not steps or len(betas) != 1:
+            continue
+        (beta1, beta2), g = betas.pop(), opt.param_groups[0]
+        dummy = [torch.zeros(1) for _ in range(4)]  # params, grads, exp_avg, exp_avg_sq
+        for t in range(1, max(steps) + 1):
+            opt.ds_opt_adam.adam_update(opt.opt_id, t, g["lr"], beta1, beta2, g["eps"], g["weight_decay"],
+                                        g["bias_correction"], *dummy)
+        done = max(steps)
+    return done
 
 
 def _publish(tmp: str, final: str, parent: str, name: str) -> None:
