@@ -101,6 +101,26 @@ def test_2_fresh_run_into_a_finished_dir_is_refused(tmp_path):
     run_dir.check_run(str(other / "new"), SimpleNamespace(**{**vars(args), "log_file": str(other / "l2.jsonl")}), [])
 
 
+# ------------------------------------------------------------------------------- 3. a peer lost inside DeepSpeed
+def test_3_gloo_errors_from_deepspeeds_collectives_are_recognised():
+    """gloo raises a plain RuntimeError inside DeepSpeed's ZeRO-3 collectives (no phase of ours around them); the
+    fault handler finds the call in the traceback (the launch itself: tests/test_faults.py, zero3 chain)."""
+    from easy_context.training.faults import failed_collective
+    ns: dict = {}
+    exec(compile("def reduce_scatter_single():\n    raise RuntimeError('[/gloo/transport/tcp/pair.cc:537] Read error "
+                 "[127.0.0.1]:40363: Connection reset by peer. This is typically caused by')",
+                 "/site-packages/torch/distributed/distributed_c10d.py", "exec"), ns)
+    exec(compile("def reduce_scatter_fn(f):\n    f()", "/site-packages/deepspeed/comm/comm.py", "exec"), ns)
+    try:
+        ns["reduce_scatter_fn"](ns["reduce_scatter_single"])
+    except RuntimeError as e:
+        assert failed_collective(e) == "DeepSpeed's reduce_scatter_single"
+    try:
+        raise RuntimeError("shape mismatch")  # a bug, not a lost peer: keeps its traceback
+    except RuntimeError as e:
+        assert failed_collective(e) is None
+
+
 # ------------------------------------------------------------------------------- 4. --resume checks the flags
 class _Acc:
     """What open_run uses of an Accelerator (one process standing for ``world``)."""
@@ -348,7 +368,9 @@ def test_12_stale_op_build_lock_is_one_line_not_a_silent_hang(tmp_path):
 
 
 def test_12_lock_holders_are_found_in_proc(tmp_path):
-    from easy_context.training.op_build import holders, lock_files, stale_locks
+    import threading
+
+    from easy_context.training.op_build import holders, lock_files, stale_locks, waited_lock
     lock = tmp_path / "py311_cpu" / "op" / "lock"
     lock.parent.mkdir(parents=True)
     lock.write_text("")
@@ -356,6 +378,7 @@ def test_12_lock_holders_are_found_in_proc(tmp_path):
     with open(lock) as f:  # noqa: F841 - held open by this process
         assert holders(str(lock)) == [os.getpid()] and stale_locks(str(tmp_path), -1) == []
     assert [p for p, _ in stale_locks(str(tmp_path), -1)] == [str(lock)] and stale_locks(str(tmp_path), 60) == []
+    assert waited_lock(threading.main_thread().ident) is None  # a stale lock nobody waits for is left alone
 
 
 # ------------------------------------------------------------------------------- 11. rendezvous and heartbeats

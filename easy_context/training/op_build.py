@@ -5,10 +5,11 @@ holding ``<op>/lock`` (``torch.utils.file_baton.FileBaton``: created with O_EXCL
 when the build ends). A process killed mid-build leaves the file behind, and every later load of that op (every
 launch: the lock is taken even to load a cached build) waits for it to disappear, silently, forever.
 
-``watch_op_builds`` starts a daemon thread for the start-up (``stop``: when the training loop begins): a lock file
-older than ``stale_after`` seconds that no process of this host holds open is named in one line with the fix, and
-the process exits ``EXIT_STALE_BUILD_LOCK``. A lock a live build holds (here: an open descriptor; on another host
-sharing the directory: younger than ``stale_after``) is waited for, as torch does.
+``watch_op_builds`` starts a daemon thread for the start-up (``stop``: when the training loop begins): when the main
+thread waits on such a lock (``FileBaton.wait``) that is older than ``stale_after`` seconds and that no process of
+this host holds open, the lock is named in one line with the fix, and the process exits ``EXIT_STALE_BUILD_LOCK``. A
+lock a live build holds (here: an open descriptor; on another host sharing the directory: younger than
+``stale_after``) is waited for, as torch does; a stale lock of an op this run does not load is left alone.
 """
 from __future__ import annotations
 
@@ -48,17 +49,29 @@ def holders(path: str) -> list[int]:
     return found
 
 
+def stale_age(path: str, stale_after: float) -> float | None:
+    """The age of lock ``path`` when it is older than ``stale_after`` and no process of this host holds it, else None."""
+    try:
+        age = time.time() - os.path.getmtime(path)
+    except OSError:
+        return None
+    return age if age > stale_after and not holders(path) else None
+
+
 def stale_locks(root: str, stale_after: float) -> list[tuple[str, float]]:
-    """(path, age in seconds) of every lock older than ``stale_after`` that no process of this host holds."""
-    out = []
-    for path in lock_files(root):
-        try:
-            age = time.time() - os.path.getmtime(path)
-        except OSError:
-            continue
-        if age > stale_after and not holders(path):
-            out.append((path, age))
-    return out
+    """(path, age in seconds) of every stale lock under ``root`` (``stale_age``)."""
+    return [(p, a) for p in lock_files(root) if (a := stale_age(p, stale_after)) is not None]
+
+
+def waited_lock(thread_id: int | None) -> str | None:
+    """The lock file a thread is waiting for in ``torch.utils.file_baton.FileBaton.wait`` (None: it is not)."""
+    import sys
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("file_baton.py"):
+            return getattr(frame.f_locals.get("self"), "lock_file_path", None)
+        frame = frame.f_back
+    return None
 
 
 def message(locks: list[tuple[str, float]], stale_after: float) -> str:
@@ -79,18 +92,19 @@ class BuildLockWatch:
     def __init__(self, stale_after: float, prog: str = "train.py", interval: float | None = None):
         self.stale_after, self.prog = stale_after, prog
         self.interval = interval or min(10.0, max(0.2, stale_after / 10))
-        self.root = extensions_root()
+        self.main = threading.main_thread().ident
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="easy_context-build-lock-watch", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while True:
-            locks = stale_locks(self.root, self.stale_after)
-            if locks and not self._stop.is_set():
-                self.fire(locks)
-            if self._stop.wait(self.interval):
-                return
+        while not self._stop.wait(self.interval):
+            path = waited_lock(self.main)
+            if path is None:
+                continue
+            age = stale_age(path, self.stale_after)
+            if age is not None and not self._stop.is_set():
+                self.fire([(path, age)])
 
     def fire(self, locks) -> None:
         from .faults import _leave
@@ -115,4 +129,5 @@ def stop() -> None:
     _watch.clear()
 
 
-__all__ = ["EXIT_STALE_BUILD_LOCK", "watch_op_builds", "stop", "stale_locks", "holders", "lock_files"]
+__all__ = ["EXIT_STALE_BUILD_LOCK", "watch_op_builds", "stop", "stale_locks", "holders", "lock_files",
+           "waited_lock", "extensions_root"]
