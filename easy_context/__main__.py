@@ -13,6 +13,8 @@ COMMANDS = {
                                           "for a config? (logits, loss, gradients; PASS/FAIL)"),
     "plan": ("easy_context.tools.plan", "plan a parallel layout for a model and sequence length"),
     "launch": ("easy_context.tools.launch", "accelerate launch with the rendezvous store on loopback (one node)"),
+    "faults": ("easy_context.tools.faults", "try every fault and bad input of docs/faults.md on this machine "
+                                            "(markdown table)"),
 }
 
 

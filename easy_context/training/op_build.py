@@ -79,8 +79,8 @@ def message(locks: list[tuple[str, float]], stale_after: float) -> str:
     age = max(a for _, a in locks)
     return (f"the JIT build of DeepSpeed's ops waits for the lock {paths}, left {_ago(age)} ago by a build that no "
             f"process holds any more (a run killed while compiling); every launch would wait for it forever. Remove "
-            f"it: rm {paths}, then rerun (the op is rebuilt once; --build-lock-timeout {stale_after:g}s set this "
-            "limit)")
+            f"it: rm {paths}, then rerun (an unfinished build is redone; --build-lock-timeout {stale_after:g}s set "
+            "this limit)")
 
 
 def _ago(seconds: float) -> str:
@@ -108,12 +108,32 @@ class BuildLockWatch:
 
     def fire(self, locks) -> None:
         from .faults import _leave
-        # one line per host (its cache): the node's first rank prints, every rank exits
-        line = message(locks, self.stale_after) if os.environ.get("LOCAL_RANK", "0") == "0" else None
+        # one line per host (its cache): the first of its ranks to get here prints, every rank exits (the launcher
+        # may stop the others first)
+        line = message(locks, self.stale_after) if first_reporter() else None
         _leave(None, "stale build lock", line, EXIT_STALE_BUILD_LOCK)
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def first_reporter() -> bool:
+    """Whether this rank is the first of its host to report (a counter in the launch's store; without a launcher,
+    or when the store does not answer: local rank 0)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_PORT" not in os.environ:
+        return True
+    try:
+        import datetime
+        import socket
+
+        import torch.distributed as dist
+        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=datetime.timedelta(seconds=5))
+        key = (f"easy_context/build-lock/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{socket.gethostname()}")
+        return store.add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - no store: the node's first rank speaks
+        return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def watch_op_builds(stale_after: float, prog: str = "train.py", interval: float | None = None) -> BuildLockWatch:
