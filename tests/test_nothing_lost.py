@@ -225,6 +225,12 @@ def _final_save_fails(rank, world, out):
     dist.barrier()
     assert sorted(os.listdir(out)) == ["metrics.jsonl"]  # no .final.tmp, no half model
 
+    def bug(tmp):
+        raise AssertionError("not a write error")
+    # a bug in the main process's write: its traceback stays, the others learn it and exit quietly (no hang)
+    with pytest.raises(AssertionError if rank == 0 else ckpt.FinalSaveError):
+        ckpt.write_final(_RankAcc(rank), out, bug, last="config.json")
+
 
 def test_5_disk_full_in_the_final_save_is_one_error_on_every_rank(tmp_path):
     from tests.harness import run_ranks
@@ -304,7 +310,12 @@ def test_9_unwritable_log_file_is_one_line_before_anything_loads(tmp_path, capsy
         _one_line(lambda: parse_args(["--output-dir", out, "--log-file", log]), capsys, needle)
     (tmp_path / "o2").mkdir()
     (tmp_path / "o2" / "checkpoints").write_text("x")
-    _one_line(lambda: parse_args(["--output-dir", str(tmp_path / "o2")]), capsys, "checkpoints/ ")
+    _one_line(lambda: parse_args(["--output-dir", str(tmp_path / "o2")]), capsys, "is a file where the run writes a "
+              "directory (checkpoints/): move it")
+    (tmp_path / "o2" / "checkpoints").unlink()
+    (tmp_path / "o2" / ".final.tmp").write_text("x")  # where the final model is written first
+    _one_line(lambda: parse_args(["--output-dir", str(tmp_path / "o2")]), capsys, "(.final.tmp/)")
+    (tmp_path / "o2" / ".final.tmp").unlink()
     parse_args(["--output-dir", out, "--log-file", str(tmp_path / "logs" / "m.jsonl")])  # creatable: fine
     assert sorted(os.listdir(tmp_path)) == ["a_file", "o2"]  # the probes left nothing behind
 
@@ -492,3 +503,24 @@ def test_7_deepspeed_cpu_adam_resumes_bit_for_bit(monkeypatch):
     unbroken = _adam_run(16)
     assert not bool((_adam_run(16, 10, resync=False) == unbroken).all())  # DeepSpeed alone: pow() vs running product
     assert bool((_adam_run(16, 10) == unbroken).all())
+
+
+def test_usage_error_line_comes_from_the_first_rank_under_a_launcher(monkeypatch, capsys):
+    """The launcher stops the other ranks when the first one exits: the line must come from whichever rank fails
+    first, not from rank 0 only (which may be the one stopped before it printed: a silent exit 2)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from easy_context.errors import fail
+    from easy_context.tools.gloo import free_port
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))  # noqa: F841
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, printed in (("1", True), ("0", False)):  # rank 1 gets there first
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit):
+            fail("--log-file 'x' is a directory", "train.py")
+        assert bool(capsys.readouterr().err) == printed, rank

@@ -151,6 +151,9 @@ def _write_error(e: Exception, final: str, output_dir: str) -> str:
             f"{kept}. {fix}, then rerun with --resume")
 
 
+FINAL_TMP = ".final.tmp"  # OUTPUT/.final.tmp/: the final model until it is complete
+
+
 class FinalSaveError(CheckpointWriteError):
     """The final model could not be written (train.py exits 74 too); nothing of it is left in the output dir."""
 
@@ -163,7 +166,7 @@ def write_final(accelerator, output_dir: str, write, last: str, need: int = 0) -
     import torch.distributed as dist
 
     from ..phase import TRACKER, phase
-    tmp = os.path.join(output_dir, ".final.tmp")
+    tmp = os.path.join(output_dir, FINAL_TMP)
     err = None
     if accelerator.is_main_process:
         try:
@@ -176,15 +179,16 @@ def write_final(accelerator, output_dir: str, write, last: str, need: int = 0) -
             replace_dir_contents(tmp, output_dir, last=last)
         except dist.DistError:
             raise
-        except Exception as e:  # noqa: BLE001 - OSError, torch's RuntimeError, safetensors' SafetensorError
-            if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
-                raise  # a bug, not a failed write: keep its traceback
+        except Exception as e:  # noqa: BLE001 - OSError, torch's RuntimeError, safetensors' SafetensorError, a bug
             err = e
-            shutil.rmtree(tmp, ignore_errors=True)
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
     with phase("final save"):
-        failed = _agree_failed(accelerator, err is not None)
+        failed = _agree_failed(accelerator, err is not None)  # every rank learns it: none waits at a barrier
     if not failed:
         return
+    if err is not None and not isinstance(err, (OSError, RuntimeError)) and type(err).__name__ != "SafetensorError":
+        raise err  # a bug, not a failed write: the main process keeps its traceback, the others exit 74 quietly
     if err is None:
         raise FinalSaveError("the main process could not write the final model", False)
     why, space, fix = _space(err, output_dir)

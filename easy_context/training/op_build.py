@@ -118,22 +118,12 @@ class BuildLockWatch:
 
 
 def first_reporter() -> bool:
-    """Whether this rank is the first of its host to report (a counter in the launch's store; without a launcher,
-    or when the store does not answer: local rank 0)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_PORT" not in os.environ:
-        return True
-    try:
-        import datetime
-        import socket
+    """Whether this rank is the first of its host to report (``errors.first_to_report``, one key per host: the lock
+    is in that host's cache)."""
+    import socket
 
-        import torch.distributed as dist
-        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=datetime.timedelta(seconds=5))
-        key = (f"easy_context/build-lock/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{socket.gethostname()}")
-        return store.add(key, 1) == 1
-    except Exception:  # noqa: BLE001 - no store: the node's first rank speaks
-        return os.environ.get("LOCAL_RANK", "0") == "0"
+    from ..errors import first_to_report
+    return first_to_report(f"build-lock/{socket.gethostname()}")
 
 
 def watch_op_builds(stale_after: float, prog: str = "train.py", interval: float | None = None) -> BuildLockWatch:
