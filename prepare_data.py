@@ -6,8 +6,9 @@
 
 Each document becomes BOS + tokens + EOS; documents are concatenated and cut into rows of exactly
 seq_length + 1 tokens (the remainder is dropped), like EasyContext's chunked SlimPajama sets. The output
-is written with ``save_to_disk`` into OUTPUT.tmp and renamed at the end, so OUTPUT is complete or absent;
-re-running after an interruption starts over (the tokenization is cached by `datasets`).
+is written with ``save_to_disk`` into a new scratch directory next to it (``.OUTPUT.prepare-XXXXXXXX``, made and
+removed by this tool; nothing else next to OUTPUT is touched) and renamed at the end, so OUTPUT is complete or
+absent; re-running after an interruption starts over (the tokenization is cached by `datasets`).
 """
 import argparse
 import os

@@ -27,12 +27,14 @@ import time
 from easy_context.training.args import parse_args
 from easy_context.training.errors import UsageError, fail
 from easy_context.training.faults import Guard, handle_fault
+from easy_context.training.op_build import watch_op_builds
 from easy_context.training.run_dir import exit_with_parent
 
 
 def main(argv=None):
     args = parse_args(argv)  # one-line errors for bad flags, before heavy imports
     exit_with_parent()  # a killed launcher never leaves ranks training
+    watch_op_builds(args.build_lock_timeout)  # start-up: a stale DeepSpeed op-build lock is one line (exit 5)
     try:
         train(args)
     except UsageError as e:
@@ -74,12 +76,13 @@ def train(args):
     moe_coef = aux_coef(config, args)  # MoE router load-balancing loss (0 = off)
     if args.save_rope_theta is None:  # the theta trained with (the model's own when --rope-theta is unset)
         args.save_rope_theta = get_rope_theta(config)
-    data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length)
+    data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length,
+                           config.vocab_size, args.model)  # + every token id inside the vocabulary
 
     eval_rows = load_eval_rows(args)  # --eval-dataset: validated like --dataset, before any process group
     accelerator = make_accelerator(args)  # gloo on CPU, nccl on GPU
     layout = build_layout(args.parallel_mode, args.sp_size, args.ring_degree, args.seq_length, config)  # dp x sp
-    lock, run_id = open_run(args, accelerator)  # the output dir: one run at a time, this run's identity
+    lock, run_id = open_run(args, accelerator, config)  # the output dir: one run at a time; --resume checks flags
     set_seed(args.seed)
 
     # 2. Model: attention through the sp group, memory options, optimizer whose LR is --learning-rate.

@@ -72,9 +72,10 @@ def init_distributed(timeout_s: float = 1800.0):
     device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+    if world > 1 and not dist.is_initialized():  # the store on loopback unless MASTER_ADDR is another address
+        from .rendezvous import init_process_group
+        init_process_group("nccl" if use_cuda else "gloo", int(os.environ["RANK"]), world,
+                           datetime.timedelta(seconds=timeout_s))
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
     return 0, 1, device

@@ -243,3 +243,104 @@ def test_watchdog_names_the_silent_rank(monkeypatch):
     assert "every rank is alive but they wait in different collectives" in line and "rank 1 in all-to-all" in line
     dog.store.set(dog.keys("exit", 1), "out of memory")  # it printed its own line: this rank stays quiet
     assert dog.describe("no progress") == (None, True)
+
+
+# ------------------------------------------------------------------------------- #47 under the default ZeRO-3 config
+Z3 = ["--parallel_mode", "data_parallel", "--seq-length", "128", "--max-train-steps", "14",
+      "--gradient-accumulate-every", "1", "--learning-rate", "3e-3", "--warmup-steps", "2", "--rope-theta", "20000",
+      "--checkpoint-every", "5", "--keep-checkpoints", "3", "--collective-timeout", "60s"]
+
+
+def _start_z3(toy, out, *extra, env=None, model=None):
+    """`python -m easy_context launch` (accelerate launch, the rendezvous on loopback) with accelerate_configs/cpu.yaml:
+    DeepSpeed ZeRO-3 on 2 CPU gloo ranks."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "easy_context", "launch", "--config_file",
+           os.path.join(ROOT, "accelerate_configs", "cpu.yaml"), "--main_process_port", str(port),
+           os.path.join(ROOT, "train.py"), "--model", model or toy["model"], "--dataset", toy["data_128"],
+           "--output-dir", str(out), *Z3, *extra]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    return p, port
+
+
+def _run_z3(toy, out, *extra, env=None, model=None):
+    p, _ = _start_z3(toy, out, *extra, env=env, model=model)
+    log = p.communicate(timeout=400)[0]
+    _no_orphans(out)
+    return p.returncode, log
+
+
+def _worker_tracebacks(log: str) -> list[str]:
+    """Traceback lines of the workers ([rankN]: ...), not the launcher's own ChildFailedError summary."""
+    return [ln for ln in log.replace("\r", "\n").splitlines() if ln.startswith("[rank") or "pair.cc" in ln]
+
+
+@pytest.fixture(scope="module")
+def zero3_chain(toy, tmp_path_factory):
+    """One output dir through four launches under ZeRO-3 (each a case of #47); the tests below read the logs."""
+    from easy_context.training.toy import build_model
+    base = tmp_path_factory.mktemp("z3")
+    out, other = base / "run", base / "other-model"
+    build_model(str(other), vocab_size=384, hidden=32)  # another architecture, the same vocabulary
+    chain = {"out": out}
+    # 1. the whole run; the disk fills during the final model save (#5)
+    chain["full"] = _run_z3(toy, out, env={"EASY_CONTEXT_CRASH": "disk_full:final"})
+    chain["unbroken"] = losses(out)
+    chain["left"] = sorted(os.listdir(out))
+    # 2. --resume with a model of another architecture: refused before it loads (#4)
+    chain["other"] = _run_z3(toy, out, "--resume", model=str(other))
+    # 3. --resume; rank 1 dies inside step 12 (its last layer's forward): rank 0 is inside DeepSpeed's collectives (#3);
+    #    meanwhile the launcher's rendezvous store listens on 127.0.0.1 only (#11)
+    p, port = _start_z3(toy, out, "--resume", env={"EASY_CONTEXT_CRASH": "layer:12:1"})
+    listening = set()
+    deadline = time.monotonic() + 120
+    while not listening and p.poll() is None and time.monotonic() < deadline:
+        try:
+            listening = {c.laddr.ip for c in psutil.Process(p.pid).net_connections(kind="tcp")
+                         if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        except psutil.Error:
+            pass
+        time.sleep(0.2)
+    chain["killed"] = (p.communicate(timeout=400)[0], p.returncode)
+    _no_orphans(out)
+    chain["listening"] = listening
+    return chain
+
+
+def test_zero3_final_save_full_disk_other_model_and_dead_rank_are_one_line_each(zero3_chain):
+    """#5, #4, #3, #11 on accelerate_configs/cpu.yaml (DeepSpeed ZeRO-3, 2 gloo ranks)."""
+    rc, log = zero3_chain["full"]
+    lines = _errors(log)
+    assert rc != 0 and log.count("exitcode  : 74") == 2 and not _worker_tracebacks(log), log[-4000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"train.py: error: rank 0: cannot write the final model to {zero3_chain['out']} after step 14: No space left "
+        "on device ("), lines
+    assert f"the last checkpoint {zero3_chain['out']}/checkpoints/step-0000010 is intact" in lines[0], lines
+    assert zero3_chain["left"] == ["checkpoints", "metrics.jsonl", "run.json"], zero3_chain["left"]  # no .final.tmp
+    assert len(zero3_chain["unbroken"]) == 14
+
+    rc, log = zero3_chain["other"]
+    lines = _errors(log)
+    assert rc != 0 and "exitcode  : 2" in log and not _worker_tracebacks(log), log[-4000:]
+    assert len(lines) == 1 and "hold a different model (llama, 2 layers, hidden 64" in lines[0] \
+        and "than --model" in lines[0] and "hidden 32" in lines[0], lines
+
+    log, rc = zero3_chain["killed"]
+    lines = _errors(log)
+    assert rc != 0 and "exitcode  : 4" in log and "exitcode  : -9" in log, log[-4000:]
+    assert not _worker_tracebacks(log), _worker_tracebacks(log)[:20]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: a peer was lost during DeepSpeed's "), lines
+    assert "rank 1 (pid" in lines[0] and "is gone (its process exited)" in lines[0] and "--resume" in lines[0], lines
+    assert zero3_chain["listening"] == {"127.0.0.1"}, zero3_chain["listening"]
+
+
+def test_zero3_resume_is_bit_for_bit(toy, zero3_chain):
+    """#7: --resume from step 10 (CPU Adam's state rebuilt) to the end: the stitched losses are the unbroken run's,
+    bit for bit (before: 3.9081380 vs 3.9081378 at step 15 of a zigzag run resumed at 10)."""
+    out = zero3_chain["out"]
+    rc, log = _run_z3(toy, out, "--resume")
+    assert rc == 0 and "resumed from" in log and "step-0000010" in log, log[-4000:]
+    got, ref = losses(out), zero3_chain["unbroken"]
+    assert got == ref, [(i + 1, a, b) for i, (a, b) in enumerate(zip(got, ref)) if a != b]
+    assert (out / "model.safetensors").exists() and not (out / ".final.tmp").exists()

@@ -34,8 +34,8 @@ def gloo_process(rank: int, world_size: int, port: int, collective_timeout: floa
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout))
+        from easy_context.rendezvous import init_process_group  # the store on 127.0.0.1, not every interface
+        init_process_group("gloo", rank, world_size, datetime.timedelta(seconds=collective_timeout))
         yield
     finally:
         if dist.is_initialized():

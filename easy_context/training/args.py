@@ -70,8 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--checkpoint-every", type=int, default=0, help="save a resumable checkpoint every N steps (0 = off)")
     a("--keep-checkpoints", type=int, default=2, help="how many periodic checkpoints to keep")
     a("--resume", action="store_true", help="continue this output dir's run from its latest good checkpoint")
+    a("--accept-changed", default=None, metavar="NAMES",
+      help="--resume with flags other than the run was started with (refused otherwise): the names to accept, "
+      "comma-separated, e.g. seq-length,rope-theta for a new stage in the same directory (the model's architecture "
+      "and the process count cannot change)")
     a("--overwrite-output-dir", action="store_true",
-      help="start a fresh run in an output dir holding another run's checkpoints (they are deleted)")
+      help="start a fresh run in an output dir holding another run's checkpoints (they are deleted) or its final "
+      "model and metrics (replaced)")
     a("--save-rope-theta", type=float, default=None,
       help="RoPE theta written into the saved config (default: --rope-theta), e.g. 1e9 for the final model")
     a("--no-save-model", action="store_true", help="skip the final HF save (benchmarks)")
@@ -80,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--collective-timeout", "--timeout", dest="timeout", type=duration, default=600.0,
       help="a collective waiting this long for a peer stops every rank, naming the silent rank and the phase "
       "(docs/faults.md): 90s, 10m, 1h or plain seconds (default 10m; torch's own is 30m)")
+    a("--build-lock-timeout", type=duration, default=300.0,
+      help="start-up: a lock of the JIT build of DeepSpeed's ops (torch_extensions/.../lock) this old that no process "
+      "holds (a run killed while compiling) stops the launch with the fix instead of waiting forever (default 5m)")
     # memory options (easy_context.memory)
     a("--checkpointing", choices=CHECKPOINTING, default="layer",
       help="activation checkpointing: per layer (HF), selective (keep attention output), offload (kept layer "
@@ -124,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 FLOAT_FLAGS = ("--learning-rate", "--rope-theta", "--rope-factor", "--min-lr-ratio", "--weight-decay",
                "--max-grad-norm", "--save-rope-theta", "--collective-timeout", "--timeout", "--lora-alpha",
-               "--router-aux-loss-coef", "--gpu-budget-gib", "--host-budget-gib", "--auto-margin")
+               "--router-aux-loss-coef", "--gpu-budget-gib", "--host-budget-gib", "--auto-margin",
+               "--build-lock-timeout")
 
 
 def _join_negative_numbers(argv: list[str]) -> list[str]:
@@ -215,7 +224,8 @@ def check_args(args) -> None:
             ("--max-grad-norm", args.max_grad_norm, args.max_grad_norm >= 0, ">= 0 (0 = no clipping)"),
             ("--router-aux-loss-coef", args.router_aux_loss_coef,
              args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0, ">= 0"),
-            ("--collective-timeout", args.timeout, args.timeout > 0, "> 0 seconds")):
+            ("--collective-timeout", args.timeout, args.timeout > 0, "> 0 seconds"),
+            ("--build-lock-timeout", args.build_lock_timeout, args.build_lock_timeout > 0, "> 0 seconds")):
         if not ok:
             raise UsageError(f"{flag} must be {want}, got {val:g}")
     if args.warmup_steps < 0 or args.checkpoint_every < 0 or args.keep_checkpoints < 0:
@@ -253,6 +263,11 @@ def check_args(args) -> None:
                          "sequence-parallel mode (at --sp-size 1 too)")
     if args.resume and args.overwrite_output_dir:
         raise UsageError("--resume continues the run in --output-dir; --overwrite-output-dir deletes it: pass one")
+    if args.accept_changed is not None:
+        if not args.resume:
+            raise UsageError("--accept-changed applies to --resume only")
+        from .run_flags import accepted_keys
+        accepted_keys(args.accept_changed)
     if args.ring_degree is not None and "ring_degree" not in mode.degree_kwargs:
         raise UsageError(f"--ring_degree applies to {' / '.join(modes_taking('ring_degree'))} only "
                          f"(got --parallel_mode {args.parallel_mode})")
@@ -262,5 +277,13 @@ def check_args(args) -> None:
     check_model_path(args.model)
     from .run_dir import check_writable_dir
     check_writable_dir(args.output_dir)
+    for sub in ("checkpoints", ".final.tmp"):  # preemption's and periodic checkpoints, the final save's temp dir
+        path = os.path.join(args.output_dir, sub)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"{path!r} is a file where the run writes a directory ({sub}/): move it, or choose "
+                             "another --output-dir")
     if args.log_file is None:
         args.log_file = os.path.join(args.output_dir, "metrics.jsonl")
+    else:  # every path the run writes is checked before the model loads
+        from .run_dir import check_writable_file
+        check_writable_file(args.log_file, "--log-file")

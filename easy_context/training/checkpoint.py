@@ -112,34 +112,95 @@ def _agree_failed(accelerator, failed: bool) -> bool:
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _space(e: Exception, where: str) -> tuple[str, str, str]:
+    """(the OS's reason, free space at ``where``, what to do) for a failed write."""
+    import errno
+    try:
+        du = shutil.disk_usage(where)
+        space = f"{_size(du.free)} free of {_size(du.total)} there"
+    except OSError:
+        space = "free space unknown"
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    code = getattr(e, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e):
+        fix = "Free space (or raise the quota)"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "Make the directory writable"
+    elif code == errno.EFBIG:
+        fix = "Raise the file-size limit (ulimit -f) or use another file system"
+    else:
+        fix = "Check the file system"
+    return why, space, fix
 
 
 def _write_error(e: Exception, final: str, output_dir: str) -> str:
     """Which path, how much space, what to do."""
-    import errno
     target = getattr(e, "filename", None) or final
-    try:
-        du = shutil.disk_usage(ckpt_root(output_dir))
-        space = f"{_size(du.free)} free of {_size(du.total)} there"
-    except OSError:
-        space = "free space unknown"
+    why, space, fix = _space(e, ckpt_root(output_dir))
     prev = latest_checkpoint(output_dir)
     need = ""
     if prev:
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(prev) for f in fs)
         need = f", the last checkpoint took {_size(size)}"
-    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-    code = getattr(e, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        fix = "Free space (or raise the quota), or lower --keep-checkpoints"
-    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "Make the directory writable"
-    else:
-        fix = "Check the file system"
+    fix = fix + ", or lower --keep-checkpoints" if fix.startswith("Free") else fix
     kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
     return (f"cannot write checkpoint {final}: {why} ({target}; {space}{need}); nothing was kept of it and "
             f"{kept}. {fix}, then rerun with --resume")
+
+
+FINAL_TMP = ".final.tmp"  # OUTPUT/.final.tmp/: the final model until it is complete
+
+
+class FinalSaveError(CheckpointWriteError):
+    """The final model could not be written (train.py exits 74 too); nothing of it is left in the output dir."""
+
+
+def write_final(accelerator, output_dir: str, write, last: str, need: int = 0) -> None:
+    """The final model: ``write(tmp)`` on the main process into ``OUTPUT/.final.tmp``, whose files are then moved into
+    ``output_dir`` (``last`` last). Call it on every rank after the collectives that gather the weights: a write that
+    fails (disk full, quota, read-only) is agreed on by one all-reduce, the temp dir is removed, and every rank raises
+    ``FinalSaveError`` (the main process's says which path, the space, the last checkpoint and what to do)."""
+    import torch.distributed as dist
+
+    from ..phase import TRACKER, phase
+    tmp = os.path.join(output_dir, FINAL_TMP)
+    err = None
+    if accelerator.is_main_process:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            write(tmp)
+            if injected("disk_full", "final"):  # fault injection for the tests: the disk fills mid-save
+                import errno
+                part = os.path.join(tmp, "model.safetensors")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), part)
+            replace_dir_contents(tmp, output_dir, last=last)
+        except dist.DistError:
+            raise
+        except Exception as e:  # noqa: BLE001 - OSError, torch's RuntimeError, safetensors' SafetensorError, a bug
+            err = e
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+    with phase("final save"):
+        failed = _agree_failed(accelerator, err is not None)  # every rank learns it: none waits at a barrier
+    if not failed:
+        return
+    if err is not None and not isinstance(err, (OSError, RuntimeError)) and type(err).__name__ != "SafetensorError":
+        raise err  # a bug, not a failed write: the main process keeps its traceback, the others exit 74 quietly
+    if err is None:
+        raise FinalSaveError("the main process could not write the final model", False)
+    why, space, fix = _space(err, output_dir)
+    prev, step = latest_checkpoint(output_dir), TRACKER.step
+    model = f", the model takes {_size(need)}" if need else ""
+    fix = fix[0].lower() + fix[1:]
+    then = (f"the last checkpoint {prev} is intact: {fix}, then rerun with --resume (the steps after it are trained "
+            "again)" if prev else f"no checkpoint exists: {fix}, then rerun with --overwrite-output-dir "
+            "(--checkpoint-every N keeps one)")
+    raise FinalSaveError(f"cannot write the final model to {output_dir} after step {step}: {why} "
+                         f"({getattr(err, 'filename', None) or tmp}; {space}{model}); nothing of it was kept and "
+                         f"{then}", True)
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extra: dict | None = None,
@@ -194,6 +255,12 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
                 json.dump({"step": step, "run_id": run_id, **(extra or {})}, f)
             write_manifest(tmp)  # sizes + checksums, checked by --resume
 
+    owner = run_of(final) if os.path.isdir(final) else None
+    if os.path.isdir(final) and not owned_by(owner, run_id):  # every rank sees it: all raise, before any collective
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {final}: that step's checkpoint belongs to "
+            f"{'run ' + owner if owner else 'an earlier run (no run id)'}, not to this run ({run_id}); it was not "
+            f"replaced. Move it out of {parent}, then rerun with --resume", main)
     with phase("checkpoint"):
         attempt(start)
         attempt(shards)
@@ -207,6 +274,12 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def owned_by(owner: str | None, run_id: str | None) -> bool:
+    """Whether a checkpoint whose train_state.json names ``owner`` is this run's (older ones name none: only a run
+    adopted as "legacy" owns those)."""
+    return owner == run_id or owner is None and run_id in (None, "legacy")
 
 
 def injected(where: str, step: int) -> bool:
@@ -225,10 +298,45 @@ def load_checkpoint(accelerator, path: str) -> dict:
     """Restore model/optimizer/scheduler/RNG from ``path``; returns train_state.json (``step``, ``data``)."""
     from ..phase import TRACKER
     accelerator.load_state(path)
+    resync_cpu_adam(accelerator)  # DeepSpeed's CPU Adam: the same bias-correction bits as an unbroken run
     with open(os.path.join(path, "train_state.json")) as f:
         state = json.load(f)
     TRACKER.step = state["step"]  # the fault reports count steps from here
     return state
+
+
+def resync_cpu_adam(accelerator) -> int:
+    """Make DeepSpeed's CPU Adam continue bit for bit after a resume; returns the step replayed (0: nothing to do).
+
+    Its C++ optimizer keeps beta1^t and beta2^t as float32 running products (one multiply per step,
+    ``Adam_Optimizer::IncrementStep``); a fresh optimizer whose first step is t+1 computes ``pow(beta, t+1)`` instead,
+    which differs in the last bit for some t (e.g. 10 with betas 0.9 / 0.95), so the bias corrections, then the
+    weights and from a step or two later the loss, drifted (~1e-7) from an unbroken run. Replaying steps 1..t on a
+    one-element dummy (the same C++ optimizer, ``adam_update``) rebuilds exactly the products an unbroken run holds."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        return 0
+    import torch
+    done = 0
+    for opt in getattr(accelerator, "_optimizers", []):
+        for _ in range(4):  # AcceleratedOptimizer -> ZeRO optimizer -> CPU Adam
+            if isinstance(opt, DeepSpeedCPUAdam) or opt is None:
+                break
+            opt = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DeepSpeedCPUAdam):
+            continue
+        steps = [int(st["step"]) for st in opt.state.values() if "step" in st]
+        betas = {tuple(g["betas"]) for g in opt.param_groups}
+        if not steps or len(betas) != 1:
+            continue
+        (beta1, beta2), g = betas.pop(), opt.param_groups[0]
+        dummy = [torch.zeros(1) for _ in range(4)]  # params, grads, exp_avg, exp_avg_sq
+        for t in range(1, max(steps) + 1):
+            opt.ds_opt_adam.adam_update(opt.opt_id, t, g["lr"], beta1, beta2, g["eps"], g["weight_decay"],
+                                        g["bias_correction"], *dummy)
+        done = max(steps)
+    return done
 
 
 def _publish(tmp: str, final: str, parent: str, name: str) -> None:

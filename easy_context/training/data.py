@@ -6,6 +6,8 @@ index); the loader's ``state_dict`` (epoch, batch) is stored in checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 
@@ -65,9 +67,10 @@ def _load_any_dataset(name: str, split: str = "train", subset: str | None = None
 OPTIONAL = ("labels", "position_ids")  # packed documents / chat data (training/packed_data.py)
 
 
-def validate_packed(ds, name: str, seq_length: int):
+def validate_packed(ds, name: str, seq_length: int, vocab_size: int | None = None, model: str | None = None):
     """Keep ``input_ids`` (+ ``labels``/``position_ids`` when present); every row must hold >= seq_length + 1
-    tokens (checked on Arrow offsets); labels/positions rows must match (checked row by row, vectorised)."""
+    tokens (checked on Arrow offsets); labels/positions rows must match (checked row by row, vectorised); with
+    ``vocab_size`` (the model's), every token id (and label other than -100) must be in [0, vocab_size)."""
     if "input_ids" not in ds.column_names:
         raise UsageError(f"dataset {name!r} has no 'input_ids' column (columns: {', '.join(ds.column_names)}); "
                          + PREP_HINT.format(L=seq_length))
@@ -85,7 +88,43 @@ def validate_packed(ds, name: str, seq_length: int):
                          f">= {seq_length + 1} per row; " + PREP_HINT.format(L=seq_length))
     if len(ds.column_names) > 1:
         _check_packed_columns(ds, name)
+    if vocab_size is not None:
+        _check_token_ids(ds, name, vocab_size, model)
     return ds.with_format("torch")
+
+
+def _check_token_ids(ds, name: str, vocab_size: int, model: str | None) -> None:
+    """Every id in [0, vocab_size) (labels: or -100): one pass of Arrow min/max per column, the first bad one
+    located only when there is one. An id outside the embedding would crash mid-step (or index memory on a GPU)."""
+    import numpy as np
+    import pyarrow.compute as pc
+    table = ds.data.table if ds._indices is None else ds.with_format(None).data.table
+    for col in ("input_ids", "labels"):
+        if col not in table.column_names:
+            continue
+        flat = pc.list_flatten(table.column(col))
+        vals = pc.filter(flat, pc.not_equal(flat, -100)) if col == "labels" else flat
+        mm = pc.min_max(vals).as_py() if len(vals) else {"min": 0, "max": 0}
+        if mm["min"] >= 0 and mm["max"] < vocab_size:
+            continue
+        base = 0
+        for rb in table.select([col]).to_batches(max_chunksize=256):
+            arr = rb.column(0)
+            ids = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+            bad = (ids < 0) | (ids >= vocab_size)
+            if col == "labels":
+                bad &= ids != -100
+            if bad.any():
+                i = int(np.nonzero(bad)[0][0])
+                ends = np.cumsum(pc.list_value_length(arr).to_numpy(zero_copy_only=False))
+                row = int(np.searchsorted(ends, i, side="right"))
+                at = i - (int(ends[row - 1]) if row else 0)
+                what = "token id" if col == "input_ids" else "label (a token id or -100)"
+                raise UsageError(f"dataset {name!r} row {base + row}: {what} {ids[i]} at index {at} is outside the "
+                                 f"vocabulary of --model {model or 'the model'} (vocab_size {vocab_size}: ids 0.."
+                                 f"{vocab_size - 1}); was it tokenized with another tokenizer? "
+                                 + PREP_HINT.format(L="N").replace("MODEL", model or "MODEL"))
+            base += rb.num_rows
 
 
 def _check_packed_columns(ds, name: str) -> None:
@@ -156,20 +195,20 @@ def pack_documents(token_docs, seq_length: int, output: str, bos_id, eos_id, pro
     from datasets.arrow_writer import ArrowWriter
 
     feats = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-    scratch = output.rstrip("/") + ".rows.arrow"  # streamed to disk: memory stays one row
-    with ArrowWriter(features=feats, path=scratch) as writer:
-        for r in rows():
-            writer.write(r)
-        writer.finalize()
-    ds = None
-    try:
-        ds = datasets.Dataset.from_file(scratch)
-        if len(ds) == 0:
-            raise UsageError(f"not enough tokens for one row of {row} tokens")
-        save_dataset_atomic(ds, output)
-    finally:
-        del ds
-        os.remove(scratch)
+    with scratch_dir(output) as work:  # streamed to disk (memory stays one row), in a directory of our own
+        scratch = os.path.join(work, "rows.arrow")
+        with ArrowWriter(features=feats, path=scratch) as writer:
+            for r in rows():
+                writer.write(r)
+            writer.finalize()
+        ds = None
+        try:
+            ds = datasets.Dataset.from_file(scratch)
+            if len(ds) == 0:
+                raise UsageError(f"not enough tokens for one row of {row} tokens")
+            save_dataset_atomic(ds, output)
+        finally:
+            del ds
     return output
 
 
@@ -200,25 +239,75 @@ def check_output_dataset(output: str, overwrite: bool = False, inputs: tuple = (
         raise UsageError(f"--output {output!r} already holds a prepared dataset; pass --overwrite to replace it")
 
 
+SCRATCH = ".prepare-"  # OUTPUT's sibling ``.NAME.prepare-XXXXXXXX``: created (mkdtemp) and removed by this tool only
+OWNER = "owner.json"
+
+
+@contextlib.contextmanager
+def scratch_dir(output: str):
+    """A new private directory next to ``output`` (same file system: the final rename is atomic), removed on exit.
+    Nothing that existed before is touched: the name is new (mkdtemp), so a user's ``OUTPUT.tmp`` / ``OUTPUT.old``
+    stay as they are. One left by a killed run (its owner's pid is dead) is cleaned up first."""
+    import socket
+    import tempfile
+    parent, name = os.path.split(os.path.abspath(output.rstrip("/")))
+    recover_scratch(output)
+    work = tempfile.mkdtemp(prefix=f".{name}{SCRATCH}", dir=parent)
+    with open(os.path.join(work, OWNER), "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "output": output}, f)
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def recover_scratch(output: str) -> None:
+    """Scratch directories of a killed ``prepare_data.py`` for ``output`` (ours by name, owner file and dead pid on
+    this host): a previous dataset it had moved aside is put back when ``output`` is missing, the rest removed."""
+    import socket
+    parent, name = os.path.split(os.path.abspath(output.rstrip("/")))
+    prefix = f".{name}{SCRATCH}"
+    for n in os.listdir(parent) if os.path.isdir(parent) else ():
+        work = os.path.join(parent, n)
+        try:
+            with open(os.path.join(work, OWNER)) as f:
+                owner = json.load(f)
+            pid, host = int(owner["pid"]), owner["host"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not n.startswith(prefix) or host != socket.gethostname() or _alive(pid):
+            continue
+        old = os.path.join(work, "old")
+        if os.path.isdir(old) and not os.path.exists(output):
+            os.replace(old, output)
+            print(f"note: put back {output} (a prepare_data.py run was killed while replacing it)", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def save_dataset_atomic(ds, output: str) -> None:
-    """save_to_disk into a sibling temp dir, then rename: ``output`` is either complete or absent. An existing
-    ``output`` (a dataset this tool wrote, see ``check_output_dataset``) is moved aside first and removed last."""
-    tmp = output.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    ds.save_to_disk(tmp)
-    with open(os.path.join(tmp, MARKER), "w") as f:
-        f.write("written by easy_context prepare_data.py\n")
-    old = None
-    if os.path.exists(output):
-        if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, MARKER)):
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise UsageError(f"refusing to replace {output!r}: it is not a dataset prepare_data.py wrote")
-        old = output.rstrip("/") + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(output, old)
-    os.replace(tmp, output)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    """save_to_disk into a new scratch directory next to ``output``, then rename: ``output`` is either complete or
+    absent. An existing ``output`` (a dataset this tool wrote, see ``check_output_dataset``) is moved into the
+    scratch directory first and removed with it; no other path is created or removed."""
+    with scratch_dir(output) as work:
+        tmp = os.path.join(work, "new")
+        ds.save_to_disk(tmp)
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            f.write("written by easy_context prepare_data.py\n")
+        if os.path.exists(output):
+            if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, MARKER)):
+                raise UsageError(f"refusing to replace {output!r}: it is not a dataset prepare_data.py wrote")
+            os.replace(output, os.path.join(work, "old"))
+        os.replace(tmp, output)
 
 
 def make_loader(ds, layout, batch_size: int, seq_length: int, seed: int, accelerator, balance: str = "auto"):

@@ -33,14 +33,20 @@ _active: list = []  # the Guard of this process (handle_fault reads it; per proc
 class Guard:
     def __init__(self, args, accelerator, model=None):
         self.args, self.accelerator = args, accelerator
+        from .op_build import stop
+        stop()  # the start-up (and DeepSpeed's op builds) is over
         self.preemption = Preemption()
         world = accelerator.num_processes
         self.watchdog = Watchdog(accelerator.process_index, world, args.timeout, PROG) if world > 1 else None
         if self.watchdog:
             from ..phase import tick
-            for m in (model.modules() if model is not None else ()):  # recomputed in backward under checkpointing
-                if type(m).__name__.endswith("DecoderLayer"):
-                    m.register_forward_pre_hook(tick)
+            layers = [m for m in (model.modules() if model is not None else ())
+                      if type(m).__name__.endswith("DecoderLayer")]
+            for m in layers:  # recomputed in backward under checkpointing
+                m.register_forward_pre_hook(tick)
+            if layers and os.environ.get("EASY_CONTEXT_CRASH", "").startswith("layer:"):  # test hook: die mid-step,
+                from .checkpoint import crash_point  # the peers inside their (DeepSpeed's) collectives
+                layers[-1].register_forward_pre_hook(lambda *_: crash_point("layer", TRACKER.step + 1))
             self.watchdog.arm()
         _active[:] = [self]
 
@@ -90,15 +96,39 @@ def handle_fault(e: BaseException, args) -> None:
         _leave(dog, "out of memory", f"rank {rank}: " + oom_message(args, TRACKER.step), EXIT_OOM)
     if isinstance(e, CheckpointWriteError):
         _leave(dog, "checkpoint write failed", f"rank {rank}: {e}" if e.local else None, EXIT_CHECKPOINT_WRITE)
-    comm = isinstance(e, dist.DistError) or TRACKER.failed is not None
+    theirs = failed_collective(e)  # a collective outside our phases (DeepSpeed's ZeRO-3 gathers / reduce-scatters)
+    comm = isinstance(e, dist.DistError) or TRACKER.failed is not None or theirs is not None
     if dog is not None and comm and isinstance(e, RuntimeError):
-        where = TRACKER.failed or TRACKER.last or "a collective"
+        where = TRACKER.failed or theirs or TRACKER.last or "a collective"
+        TRACKER.last = where  # the line says where this rank was
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:160]  # gloo: "[file:line] Read error ..."
         line, found = dog.lost_peer(f"a peer was lost during {where} ({first})")
         if found:  # else no peer is missing: a bug in this rank, keep its traceback
             _leave(dog, "lost a peer", line, EXIT_LOST_RANK)
     raise e
+
+
+_COMM_ERROR = re.compile(r"gloo|nccl|connection (closed|reset)|broken pipe|socket timeout|timed out|processgroup",
+                         re.IGNORECASE)
+
+
+def failed_collective(e: BaseException) -> str | None:
+    """The torch.distributed call a communication error came from ("DeepSpeed's reduce_scatter_single"), or None
+    when ``e`` is not one. gloo raises a plain RuntimeError ("[pair.cc:537] Read error ...: Connection reset by
+    peer") from inside DeepSpeed's own collectives, which no ``phase`` of ours wraps."""
+    import traceback
+    err, seen = e, 0
+    while err is not None and seen < 4:
+        if isinstance(err, RuntimeError) and _COMM_ERROR.search(str(err)):
+            frames = traceback.extract_tb(err.__traceback__)
+            calls = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")]
+            if not calls:
+                return None
+            who = "DeepSpeed's " if any("/deepspeed/" in f.filename for f in frames) else ""
+            return who + calls[-1]
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 def _leave(dog, reason: str, line: str | None, code: int) -> None:

@@ -72,15 +72,12 @@ def merged_state_dict(state_dict: dict, lora_cfg, adapter: str = "default") -> d
 
 def save_lora(accelerator, model, tokenizer, args) -> None:
     """Adapter (+ merged model with --merge-lora) + tokenizer; files appear atomically, the config last."""
-    import shutil
-
-    from .checkpoint import replace_dir_contents
+    from .checkpoint import write_final
     from .modeling import final_config
 
-    state_dict = accelerator.get_state_dict(model)  # ZeRO-3: gathers the full weights on rank 0
-    if accelerator.is_main_process:
-        tmp = os.path.join(args.output_dir, ".final.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+    state_dict = accelerator.get_state_dict(model)  # ZeRO-3: gathers the full weights on rank 0 (every rank calls it)
+
+    def write(tmp):
         peft_model = accelerator.unwrap_model(model)
         adapter_dir = os.path.join(tmp, "adapter") if args.merge_lora else tmp
         peft_model.save_pretrained(adapter_dir, state_dict=state_dict, safe_serialization=True)
@@ -91,5 +88,4 @@ def save_lora(accelerator, model, tokenizer, args) -> None:
             final_config(base.config, args.save_rope_theta, args.seq_length).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        replace_dir_contents(tmp, args.output_dir, last="config.json" if args.merge_lora else "adapter_config.json")
-    accelerator.wait_for_everyone()
+    write_final(accelerator, args.output_dir, write, last="config.json" if args.merge_lora else "adapter_config.json")

@@ -114,18 +114,15 @@ def final_config(config, rope_theta: float, seq_length: int):
 def save_final_model(accelerator, model, tokenizer, out_dir: str, rope_theta: float, seq_length: int = 0) -> None:
     """HF safetensors + tokenizer + config with ``rope_theta`` and ``max_position_embeddings`` at least the
     trained length; files appear atomically, config.json last."""
-    import shutil
+    from .checkpoint import write_final
 
-    from .checkpoint import replace_dir_contents
+    state_dict = accelerator.get_state_dict(model)  # ZeRO-3: gathers the full weights on rank 0 (every rank calls it)
 
-    state_dict = accelerator.get_state_dict(model)  # ZeRO-3: gathers the full weights on rank 0
-    if accelerator.is_main_process:
-        tmp = os.path.join(out_dir, ".final.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+    def write(tmp):
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         final_config(unwrapped.config, rope_theta, seq_length).save_pretrained(tmp)  # overwrites the one above
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        replace_dir_contents(tmp, out_dir, last="config.json")
-    accelerator.wait_for_everyone()
+    need = sum(t.numel() * t.element_size() for t in (state_dict or {}).values())
+    write_final(accelerator, out_dir, write, last="config.json", need=need)  # disk full: every rank raises (74)

@@ -2,8 +2,8 @@
 
 * ``run.json`` (written when a run starts fresh): the run id and a fingerprint of the flags. Checkpoints carry
   the run id; ``--resume`` continues only this directory's run, pruning only deletes this run's checkpoints,
-  and a fresh run into a directory holding another run's checkpoints is refused (``--overwrite-output-dir``
-  deletes them, ``--resume`` continues them).
+  and a fresh run into a directory holding another run's checkpoints, final model or metrics is refused
+  (``--overwrite-output-dir`` deletes / replaces them, ``--resume`` continues the checkpoints).
 * ``run.lock`` (O_EXCL): one run per output directory. A lock whose process is dead (same host) is stale and
   taken over with a warning; a live one is an error naming its pid and host.
 * Workers exit when their launcher dies (``exit_with_parent``: Linux PR_SET_PDEATHSIG), so a killed
@@ -44,26 +44,73 @@ def read_run(output_dir: str) -> dict | None:
         return None
 
 
+FINAL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "adapter_model.safetensors", "adapter_config.json")  # what a finished run leaves (save_outputs)
+
+
+def finished_outputs(output_dir: str, log_file: str | None = None) -> list[str]:
+    """The files of a finished (or at least logged) run a fresh start would replace: the final model, a
+    non-empty metrics log."""
+    found = [n for n in FINAL_FILES if os.path.isfile(os.path.join(output_dir, n))]
+    log = log_file or os.path.join(output_dir, "metrics.jsonl")
+    if os.path.isfile(log) and os.path.getsize(log) > 0:
+        found.append(log if os.path.dirname(os.path.abspath(log)) != os.path.abspath(output_dir)
+                     else os.path.basename(log))
+    return found
+
+
 def check_run(output_dir: str, args, checkpoints: list) -> None:
-    """Refuse to mix runs (read-only: every rank calls it and fails alike, before any collective)."""
+    """Refuse to mix runs or to replace a finished one (read-only: every rank calls it and fails alike, before any
+    collective)."""
     prev = read_run(output_dir)
+    who = f"run {prev['run_id']}" if prev else "an earlier run"
+    if getattr(args, "overwrite_output_dir", False):
+        return
     if checkpoints and not args.resume:
-        if not getattr(args, "overwrite_output_dir", False):
-            steps = ", ".join(str(s) for s, _ in checkpoints[-3:])
-            who = f"run {prev['run_id']}" if prev else "an earlier run"
-            raise UsageError(f"--output-dir {output_dir!r} holds checkpoints of {who} (steps {steps}); pass "
-                             "--resume to continue it, --overwrite-output-dir to delete them and start over, "
-                             "or choose another --output-dir")
+        steps = ", ".join(str(s) for s, _ in checkpoints[-3:])
+        raise UsageError(f"--output-dir {output_dir!r} holds checkpoints of {who} (steps {steps}); pass "
+                         "--resume to continue it, --overwrite-output-dir to delete them and start over, "
+                         "or choose another --output-dir")
+    done = finished_outputs(output_dir, getattr(args, "log_file", None))
+    if done and not args.resume:
+        raise UsageError(f"--output-dir {output_dir!r} holds the outputs of {who} ({', '.join(done)}); a fresh run "
+                         "would replace them: choose another --output-dir, or pass --overwrite-output-dir to replace "
+                         "them")
+    if args.resume and not checkpoints and any(n in done for n in FINAL_FILES):
+        raise UsageError(f"--resume: --output-dir {output_dir!r} holds the final model of {who} "
+                         f"({', '.join(done)}) and no checkpoint to continue (the run finished); choose another "
+                         "--output-dir, or drop --resume and pass --overwrite-output-dir to replace it")
 
 
-def begin_run(output_dir: str, args, checkpoints: list) -> None:
-    """Main process, after ``check_run``: keep the run id when resuming, else write a new ``run.json``."""
+def check_collisions(output_dir: str, checkpoints: list) -> None:
+    """``--resume``: another run's checkpoint at a step after this run's latest would be in the way of a later save
+    (never written over: ``save_checkpoint``); refuse now, not days into the run. Read-only, every rank."""
+    from .checkpoint import owned_by
+    prev = read_run(output_dir)
+    run_id = prev["run_id"] if prev else "legacy"
+    owners = [(s, p, run_of(p)) for s, p in checkpoints]
+    mine = [s for s, _, o in owners if owned_by(o, run_id)]
+    ahead = [(p, o) for s, p, o in owners if not owned_by(o, run_id) and s > max(mine, default=0)]
+    if ahead:
+        names = ", ".join(f"{os.path.basename(p)} ({'run ' + o if o else 'no run id'})" for p, o in ahead[:3])
+        raise UsageError(f"--resume: {os.path.join(output_dir, 'checkpoints')} holds checkpoints of another run at "
+                         f"steps this run (run {run_id}) will reach: {names}; they are never written over, so move "
+                         "them out of the directory (or choose another --output-dir)")
+
+
+def begin_run(output_dir: str, args, checkpoints: list, identity: dict | None = None,
+              changes: dict | None = None) -> None:
+    """Main process, after ``check_run``: when resuming keep the run id (and record this launch's identity, accepted
+    changes in ``history``: ``run_flags``), else write a new ``run.json``."""
     prev = read_run(output_dir)
     if args.resume and prev is not None:
+        if identity is not None:
+            from .run_flags import updated_record
+            atomic_write_json(os.path.join(output_dir, RUN_FILE), updated_record(prev, identity, changes or {}))
         return
     run_id = "legacy" if args.resume and checkpoints else uuid.uuid4().hex[:12]  # pre-run.json dirs are adopted
-    atomic_write_json(os.path.join(output_dir, RUN_FILE),
-                      {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "flags": fingerprint(args)})
+    rec = {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "flags": fingerprint(args)}
+    atomic_write_json(os.path.join(output_dir, RUN_FILE), rec if identity is None else {**rec, "identity": identity})
 
 
 def atomic_write_json(path: str, obj) -> None:

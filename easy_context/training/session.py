@@ -8,14 +8,24 @@ from . import checkpoint as ckpt
 from . import run_dir
 
 
-def open_run(args, accelerator):
+def open_run(args, accelerator, config=None):
     """Lock ``--output-dir`` for this run and record its identity; returns ``(lock, run_id)``.
 
-    One run at a time (lock); checkpoints of other runs are never touched. Every rank reads the same files and
-    fails alike before any collective; the main process writes, the others wait for it."""
+    One run at a time (lock); checkpoints of other runs are never touched; a finished run is not replaced;
+    ``--resume`` refuses flags other than the run's (``run_flags``; ``config``: the model's, for its architecture and
+    RoPE theta). Every rank reads the same files and fails alike before any collective; the main process writes, the
+    others wait for it."""
+    from . import run_flags
     lock, found = run_dir.RunLock(args.output_dir), ckpt.list_checkpoints(args.output_dir)
     lock.check()
     run_dir.check_run(args.output_dir, args, found)
+    now = run_flags.identity(args, config, accelerator.num_processes)
+    changes = {}
+    if args.resume and found:  # there is a checkpoint to load: it must be this run's model, layout and meaning
+        run_dir.check_collisions(args.output_dir, found)  # another run's checkpoints at steps this run will save
+        changes = run_flags.check_resume(args.output_dir, run_dir.read_run(args.output_dir), now,
+                                         run_dir.fingerprint(args),
+                                         run_flags.accepted_keys(getattr(args, "accept_changed", None)))
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
         lock.acquire()
@@ -23,7 +33,10 @@ def open_run(args, accelerator):
         if args.overwrite_output_dir:
             import shutil
             shutil.rmtree(ckpt.ckpt_root(args.output_dir), ignore_errors=True)
-        run_dir.begin_run(args.output_dir, args, found)
+        run_dir.begin_run(args.output_dir, args, found, now, changes)
+        if changes:
+            accelerator.print("--resume --accept-changed: " + ", ".join(
+                f"{run_flags.CHANGEABLE[k]} {v[0]} -> {v[1]}" for k, v in changes.items()) + " (recorded in run.json)")
     accelerator.wait_for_everyone()
     run_id = run_dir.read_run(args.output_dir)["run_id"]
     if args.wandb:

@@ -106,7 +106,7 @@ class Watchdog:
         bad = []
         for r in range(self.world):
             rec = peers.get(r, {})
-            gone = _proc_state(rec) == "gone"
+            gone = _proc_state(rec, r) == "gone"
             if r != self.rank and (rec.get("age", float("inf")) > 3 * self.interval or gone or "exit" in rec):
                 bad.append(r)
         return bad
@@ -158,10 +158,11 @@ class Watchdog:
 
     def kill_stopped(self) -> None:
         """SIGKILL the silent peers of this host that are stopped (SIGSTOP): they cannot act on the launcher's
-        SIGTERM, which torch elastic follows with SIGKILL only 30 s later (a fixed wait)."""
+        SIGTERM, which torch elastic follows with SIGKILL only 30 s later (a fixed wait). Only a pid that is a
+        worker of this launch (``same_launch``): the store's heartbeats are not authenticated."""
         import signal
         for r, rec in self.peers().items():
-            if r != self.rank and _proc_state(rec) == "stopped":
+            if r != self.rank and _proc_state(rec, r) == "stopped":  # only this launch's own workers
                 try:
                     os.kill(rec["pid"], signal.SIGKILL)
                 except OSError:
@@ -181,17 +182,37 @@ class Watchdog:
         self._stop.set()
 
 
-def _proc_state(rec: dict) -> str | None:
-    """'gone' / 'stopped' / 'running' for a peer on this host (from /proc), None when it cannot be seen."""
+def _proc_state(rec: dict, rank: int | None = None) -> str | None:
+    """'gone' / 'stopped' / 'running' for a peer on this host (from /proc), None when it cannot be seen or the pid is
+    not rank ``rank`` of this launch (heartbeats are unauthenticated: a reused or forged pid is never acted on)."""
     pid = rec.get("pid")
     if rec.get("host") != socket.gethostname() or not isinstance(pid, int):
         return None
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+        state, ppid = fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
         return "gone"
-    return {"Z": "gone", "X": "gone", "T": "stopped", "t": "traced"}.get(state, "running")
+    if state in ("Z", "X"):
+        return "gone"
+    if not same_launch(pid, ppid, rank):
+        return None
+    return {"T": "stopped", "t": "traced"}.get(state, "running")
+
+
+def same_launch(pid: int, ppid: int, rank: int | None) -> bool:
+    """Whether ``pid`` (parent ``ppid``) is a worker of this launch: a child of this process's parent (the launcher;
+    never init), and, where /proc shows its environment, rank ``rank`` of this rendezvous (RANK, MASTER_PORT)."""
+    if pid == os.getpid() or os.getppid() == 1 or ppid != os.getppid():
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return True  # not readable here: the parent check stands
+    port = os.environ.get("MASTER_PORT", "").encode()
+    return (rank is None or env.get(b"RANK") == str(rank).encode()) and env.get(b"MASTER_PORT", port) == port
 
 
 def _peer_text(r: int, rec: dict) -> str:
@@ -201,5 +222,5 @@ def _peer_text(r: int, rec: dict) -> str:
              f"{rec.get('step', -1) + 1}")
     state = {"gone": "is gone (its process exited)", "stopped": "is stopped (SIGSTOP; killed now)",
              "traced": "is held by a debugger"}.get(
-        _proc_state(rec), "is not responding (stopped, hung or dead)")
+        _proc_state(rec, r), "is not responding (stopped, hung or dead)")
     return f"rank {r} (pid {rec.get('pid')} on {rec.get('host')}) {state}, {where}"

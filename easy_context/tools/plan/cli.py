@@ -61,6 +61,11 @@ def parse(argv) -> argparse.Namespace:
         v = getattr(args, name)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise PlanUsageError(f"--{name.replace('_', '-')} must be a positive number of GiB, got {v}")
+    for name, ok, want in (("doc_median", lambda v: v > 0, "a positive number of tokens"),
+                           ("doc_sigma", lambda v: v >= 0, "a number >= 0 (the log-normal's sigma)")):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and ok(v)):
+            raise PlanUsageError(f"--{name.replace('_', '-')} must be {want}, got {v:g}")
     args.gpu = args.gpu.lower()
     g = gpu_constants(args.gpu)  # raises for an unknown GPU
     if args.kernel is not None and args.kernel not in g["attn_fwd_bwd_tflops"]:

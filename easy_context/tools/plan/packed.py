@@ -44,6 +44,8 @@ def layouts(pos: torch.Tensor, world: int, window: int | None = None) -> list[tu
         out.append((f"zigzag {n} chunks (k={k})", [float(sum(c[i] for i in pair_chunks(r, world, k)))
                                                    for r in range(world)], None))
     d = plan_dispatch(pos, world, window)
+    if d is None:  # one document filling the row: nothing to dispatch, plain zigzag runs
+        return out
     e = estimate(pos, d.cuts, d.owners, window)
     fixed = per_token_time(length // world)
     out.append((f"dispatch {d.chunks} chunks (<= {d.per_rank} a rank)", list(e.work),
