@@ -19,7 +19,7 @@ COMMANDS = {
     "real-text": ("easy_context.real_text", "real text from installed packages (CPython's docs and sources) as "
                                             "jsonl: train / held-out / long documents / needle haystack"),
     "launch": ("easy_context.tools.launch", "accelerate launch with the rendezvous store on loopback (one node)"),
-    "faults": ("easy_context.tools.faults", "try every fault and bad input of docs/faults.md on this machine "
+    "faults": ("easy_context.training.fault_table", "try every fault and bad input of docs/faults.md on this machine "
                                             "(markdown table)"),
 }
 

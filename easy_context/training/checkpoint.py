@@ -21,6 +21,8 @@ import re
 import shutil
 import signal
 
+from .run_dir import owned_by
+
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -274,12 +276,6 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
-
-
-def owned_by(owner: str | None, run_id: str | None) -> bool:
-    """Whether a checkpoint whose train_state.json names ``owner`` is this run's (older ones name none: only a run
-    adopted as "legacy" owns those)."""
-    return owner == run_id or owner is None and run_id in (None, "legacy")
 
 
 def injected(where: str, step: int) -> bool:

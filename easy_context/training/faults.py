@@ -15,18 +15,17 @@ handlers (``preempt.py``) and, with more than one rank, the heartbeat watchdog (
 """
 from __future__ import annotations
 
-import atexit
 import os
 import re
 import sys
 
 from ..phase import TRACKER
 from .checkpoint import CheckpointWriteError, injected, latest_checkpoint
+from .leave import PROG, _leave
 from .preempt import Preemption
 from .watchdog import EXIT_LOST_RANK, Watchdog
 
 EXIT_PREEMPTED, EXIT_CHECKPOINT_WRITE, EXIT_OOM = 75, CheckpointWriteError.code, 3
-PROG = "train.py"
 _active: list = []  # the Guard of this process (handle_fault reads it; per process, not a process group)
 
 
@@ -129,20 +128,6 @@ def failed_collective(e: BaseException) -> str | None:
             return who + calls[-1]
         err, seen = err.__cause__ or err.__context__, seen + 1
     return None
-
-
-def _leave(dog, reason: str, line: str | None, code: int) -> None:
-    """Print ``line`` (if any), tell the peers why, release the run lock, exit ``code`` without gloo's abort."""
-    if dog is not None:
-        dog.record_exit(reason)
-        dog.close()
-    if line:
-        print(f"{PROG}: error: {' '.join(line.split())}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    try:
-        atexit._run_exitfuncs()  # the output dir's lock, trackers; then skip the interpreter's teardown, where
-    finally:                     # gloo aborts when a peer is gone
-        os._exit(code)
 
 
 # ------------------------------------------------------------------------------------------ out of memory

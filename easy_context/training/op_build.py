@@ -107,7 +107,7 @@ class BuildLockWatch:
                 self.fire([(path, age)])
 
     def fire(self, locks) -> None:
-        from .faults import _leave
+        from .leave import _leave
         # one line per host (its cache): the first of its ranks to get here prints, every rank exits (the launcher
         # may stop the others first)
         line = message(locks, self.stale_after) if first_reporter() else None

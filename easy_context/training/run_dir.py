@@ -85,7 +85,6 @@ def check_run(output_dir: str, args, checkpoints: list) -> None:
 def check_collisions(output_dir: str, checkpoints: list) -> None:
     """``--resume``: another run's checkpoint at a step after this run's latest would be in the way of a later save
     (never written over: ``save_checkpoint``); refuse now, not days into the run. Read-only, every rank."""
-    from .checkpoint import owned_by
     prev = read_run(output_dir)
     run_id = prev["run_id"] if prev else "legacy"
     owners = [(s, p, run_of(p)) for s, p in checkpoints]
@@ -288,3 +287,9 @@ def latest_good_checkpoint(checkpoints: list, run_id: str, warn=print) -> str | 
             return path
         warn(f"warning: checkpoint step {step} is damaged ({problem}); falling back to the previous one")
     return None
+
+
+def owned_by(owner: str | None, run_id: str | None) -> bool:
+    """Whether a checkpoint whose train_state.json names ``owner`` is this run's (older ones name none: only a run
+    adopted as "legacy" owns those)."""
+    return owner == run_id or owner is None and run_id in (None, "legacy")

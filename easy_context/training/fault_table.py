@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (train.py)
 TRAIN = ["--parallel_mode", "data_parallel", "--seq-length", "128", "--gradient-accumulate-every", "1",
          "--learning-rate", "3e-3", "--warmup-steps", "2", "--rope-theta", "20000", "--collective-timeout", "60s"]
 
@@ -45,7 +45,7 @@ def _port() -> int:
 
 class Bench:
     def __init__(self, work: str):
-        from easy_context.training.toy import build_all, build_model
+        from .toy import build_all, build_model
         self.work = work
         self.toy = build_all(os.path.join(work, "toy"), seq_lengths=(128,), n_docs=120)
         self.other = os.path.join(work, "other-model")
