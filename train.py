@@ -79,7 +79,7 @@ def train(args):
     data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length,
                            config.vocab_size, args.model)  # + every token id inside the vocabulary
 
-    eval_rows = load_eval_rows(args)  # --eval-dataset: validated like --dataset, before any process group
+    eval_rows = load_eval_rows(args, config.vocab_size)  # --eval-dataset: validated like --dataset
     accelerator = make_accelerator(args)  # gloo on CPU, nccl on GPU
     layout = build_layout(args.parallel_mode, args.sp_size, args.ring_degree, args.seq_length, config)  # dp x sp
     lock, run_id = open_run(args, accelerator, config)  # the output dir: one run at a time; --resume checks flags

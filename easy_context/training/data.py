@@ -251,6 +251,7 @@ def scratch_dir(output: str):
     import socket
     import tempfile
     parent, name = os.path.split(os.path.abspath(output.rstrip("/")))
+    os.makedirs(parent, exist_ok=True)  # --output's parent may not exist yet (data/NAME on a fresh clone)
     recover_scratch(output)
     work = tempfile.mkdtemp(prefix=f".{name}{SCRATCH}", dir=parent)
     with open(os.path.join(work, OWNER), "w") as f:

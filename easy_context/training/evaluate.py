@@ -19,12 +19,13 @@ from .packed_data import IGNORE_INDEX, batch_targets
 from .parallel import nll_sum
 
 
-def load_eval_rows(args):
-    """The first ``--eval-rows`` rows of ``--eval-dataset`` (validated like --dataset), or None."""
+def load_eval_rows(args, vocab_size: int | None = None):
+    """The first ``--eval-rows`` rows of ``--eval-dataset`` (validated like --dataset: token ids against the
+    model's ``vocab_size`` too), or None."""
     if args.eval_dataset is None:
         return None
     ds = validate_packed(load_any_dataset(args.eval_dataset, args.eval_split or args.dataset_split),
-                         args.eval_dataset, args.seq_length)
+                         args.eval_dataset, args.seq_length, vocab_size, args.model)
     return ds.select(range(min(args.eval_rows, len(ds))))
 
 
