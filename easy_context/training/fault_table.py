@@ -23,8 +23,10 @@ import sys
 import tempfile
 import time
 
+from ..registry import PLAIN_MODE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (train.py)
-TRAIN = ["--parallel_mode", "data_parallel", "--seq-length", "128", "--gradient-accumulate-every", "1",
+TRAIN = ["--parallel_mode", PLAIN_MODE, "--seq-length", "128", "--gradient-accumulate-every", "1",
          "--learning-rate", "3e-3", "--warmup-steps", "2", "--rope-theta", "20000", "--collective-timeout", "60s"]
 
 
