@@ -26,6 +26,23 @@ def test_drills_state_one_number_twice():
         assert m and m.group(1) == m.group(2) and 6 <= len(m.group(1)) <= 9, d
 
 
+def test_recall_drills_ask_for_the_number_as_the_needle_question_does():
+    from easy_context.haystack import NEEDLE, QUESTION_STR
+    from easy_context.training.toy import make_drill_corpus
+
+    drills = make_drill_corpus(50, seed=3, digits=(2, 2), style="recall")
+    assert drills == make_drill_corpus(50, seed=3, digits=(2, 2), style="recall")  # seeded
+    for d in drills:
+        m = re.fullmatch(r"The pass key is: (\d+)\. Remember it\. The pass key is: (\d+)\.", d)
+        assert m and m.group(1) == m.group(2) and len(m.group(1)) == 2, d
+    # the needle states "... is: N." and its question ends "... is:" (what the recall drill copies after)
+    assert "is: {}." in NEEDLE and QUESTION_STR.endswith("is:")
+    # the default sentence is unchanged (same numbers from the same seed)
+    assert make_drill_corpus(5, seed=3) == make_drill_corpus(5, seed=3, style="passkey")
+    with pytest.raises(ValueError, match="recall"):
+        make_drill_corpus(1, style="mixed")
+
+
 def test_digit_tokenizer_gives_one_digit_per_token(assets):
     from transformers import AutoTokenizer
 

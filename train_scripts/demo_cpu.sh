@@ -10,9 +10,25 @@
 #     tokens, i.e. beyond stage 1's 256) and eval_ruler.py (score vs length) on the result, CSV/PNG next to the
 #     models; the paths of the pictures are printed at the end
 # The first DeepSpeed run JIT-compiles two ops (about a minute; cached in ~/.cache/torch_extensions).
+#
+#   bash train_scripts/demo_cpu.sh [--seed N] [--check]     (or SEED=N, CHECK=1; `make demo`, `make demo-check`)
+# --seed N: the toy corpus, tokenizer and initial weights (toy.py --seed) and train.py's --seed (row order); default 0.
+# --check: exit 1 unless stage 2's needle accuracy ($OUT/eval/accuracy_stage2.txt) is at least MIN_ACC (0.9).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-output_demo}
+SEED=${SEED:-0}
+CHECK=${CHECK:-0}
+MIN_ACC=${MIN_ACC:-0.9}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --seed) SEED=${2:?--seed needs a number}; shift 2 ;;
+    --seed=*) SEED=${1#--seed=}; shift ;;
+    --check) CHECK=1; shift ;;
+    *) echo "usage: $0 [--seed N] [--check]  (env: OUT, SEED, CHECK, MIN_ACC, STAGE1_STEPS, STAGE2_STEPS)" >&2; exit 2 ;;
+  esac
+done
+case "$SEED" in ''|*[!0-9]*) echo "--seed / SEED must be a non-negative integer, got '$SEED'" >&2; exit 2 ;; esac
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export WANDB_MODE=${WANDB_MODE:-disabled} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 t0=$(date +%s)
@@ -20,21 +36,21 @@ port() { python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0))
 train() { accelerate launch --config_file accelerate_configs/cpu.yaml --main_process_port "$(port)" train.py "$@"; }
 cpu2() { ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 --main_process_port "$(port)" "$@"; }
 
-echo "== [1/5] tiny Llama + tokenizer + packed corpus (prose, passkey drills and documents) -> $OUT/assets"
+echo "== [1/5] (seed $SEED) tiny Llama + tokenizer + packed corpus (prose, passkey drills and documents) -> $OUT/assets"
 rm -rf "$OUT/assets" "$OUT/stage1" "$OUT/stage2" "$OUT/eval"
 python -m easy_context.training.toy "$OUT/assets" --seq-lengths 256 512 --docs 400 --document-masking \
   --needle-docs 6000 --needle-max-sentences 0 --needle-digits 2 2 --drill-docs 12000 --drill-digits 2 2 \
-  --split-digits --vocab 768 --hidden 128 --heads 4 --kv-heads 4
+  --split-digits --vocab 768 --hidden 128 --heads 4 --kv-heads 4 --seed "$SEED"
 
 echo "== [2/5] stage 1: seq 256, rope theta 2e4, zigzag_ring_attn on 2 CPU processes, DeepSpeed ZeRO-3"
 train --model "$OUT/assets/tiny-llama" --dataset "$OUT/assets/data_256" --output-dir "$OUT/stage1" \
-  --seq-length 256 --rope-theta 2e4 --parallel_mode zigzag_ring_attn --batch-size 8 \
+  --seq-length 256 --rope-theta 2e4 --parallel_mode zigzag_ring_attn --batch-size 8 --seed "$SEED" \
   --gradient-accumulate-every 1 --max-train-steps ${STAGE1_STEPS:-2000} --learning-rate 6e-3 --warmup-steps 10 \
   --checkpoint-every 500
 
 echo "== [3/5] stage 2: seq 512, rope theta 8e4 (saved as 1e5), starting from stage 1"
 train --model "$OUT/stage1" --dataset "$OUT/assets/data_512" --output-dir "$OUT/stage2" \
-  --seq-length 512 --rope-theta 8e4 --save-rope-theta 1e5 --parallel_mode zigzag_ring_attn --batch-size 4 \
+  --seq-length 512 --rope-theta 8e4 --save-rope-theta 1e5 --parallel_mode zigzag_ring_attn --batch-size 4 --seed "$SEED" \
   --gradient-accumulate-every 1 --max-train-steps ${STAGE2_STEPS:-150} --learning-rate 1e-3 --warmup-steps 5 \
   --checkpoint-every 50
 
@@ -72,3 +88,14 @@ done
 for stage in stage1 stage2; do
   if [ -f "$EVAL/accuracy_$stage.txt" ]; then echo "   needle, $stage: $(cat "$EVAL/accuracy_$stage.txt")"; fi
 done
+if [ "$CHECK" = 1 ]; then  # `make demo-check`: the outcome CI looks at (the model learned the needle)
+  f=$EVAL/accuracy_stage2.txt
+  acc=$(sed -n 's/^Average Accuracy: *//p' "$f" 2>/dev/null || true)
+  if [ -z "$acc" ]; then echo "demo-check FAILED: no stage-2 needle accuracy in $f" >&2; exit 1; fi
+  if python -c "import sys; sys.exit(0 if float('$acc') >= float('$MIN_ACC') else 1)"; then
+    echo "demo-check passed: stage-2 needle accuracy $acc >= $MIN_ACC (seed $SEED)"
+  else
+    echo "demo-check FAILED: stage-2 needle accuracy $acc < $MIN_ACC (seed $SEED; $EVAL/needle_stage2.csv)" >&2
+    exit 1
+  fi
+fi

@@ -128,21 +128,31 @@ def build_model(out_dir: str, vocab_size: int, hidden: int = 64, layers: int = 2
     return model
 
 
-def make_drill_corpus(n_docs: int = 400, seed: int = 0, digits=(6, 16)) -> list[str]:
-    """Passkey drills, "The pass key is N. Remember it. N is the pass key." (the passkey sentence of
-    Mohtashami & Jaggi's landmark-attention test, which EasyContext's needle descends from) with a long N.
+DRILL_STYLES = {
+    # Mohtashami & Jaggi's passkey sentence (landmark attention's test, which EasyContext's needle descends from)
+    "passkey": "The pass key is {n}. Remember it. {n} is the pass key.",
+    # the number asked for again with the phrase that introduced it, as eval_needle's question does with its needle
+    # ("The special magic Singapore number is: N." ... "Answer: The special magic Singapore number is:" -> N)
+    "recall": "The pass key is: {n}. Remember it. The pass key is: {n}.",
+}
 
-    Each copies a many-digit number once, a dense copy target: on the toy model these grow the induction
-    heads that a needle's bare digits need (needle documents alone never did; bench/needle_recipe_probe.py).
+
+def make_drill_corpus(n_docs: int = 400, seed: int = 0, digits=(6, 16), style: str = "passkey") -> list[str]:
+    """Passkey drills: one number N (``digits``: a (min, max) range drawn per drill) stated and then copied, in the
+    sentence ``DRILL_STYLES[style]``. Dense copy targets: on the toy model they grow the attention heads that read
+    a needle's digits (needle documents alone never did; bench/needle_recipe_probe.py).
+
+    "recall" asks for the copy the way eval_needle asks for its needle (after "is:"), so the head that finds a
+    drill's first digit is the one the needle's first digit needs: with it the demo learns both digits of 2-digit
+    needles by step ~500 of 2000 for every seed tried; with "passkey" (copy after "Remember it.") each seed
+    learned about one of the two digits, which one by chance (issue #45, bench/demo_recipe_probe.py).
     """
     from easy_context.haystack import random_number
 
+    if style not in DRILL_STYLES:
+        raise ValueError(f"drill style must be one of {sorted(DRILL_STYLES)}, got {style!r}")
     rng = random.Random(seed)
-    out = []
-    for _ in range(n_docs):
-        n = random_number(rng, rng.randint(*digits))
-        out.append(f"The pass key is {n}. Remember it. {n} is the pass key.")
-    return out
+    return [DRILL_STYLES[style].format(n=random_number(rng, rng.randint(*digits))) for _ in range(n_docs)]
 
 
 def _fitting_sentences(tok, max_tokens: int, digits) -> int:
@@ -164,19 +174,19 @@ def _fitting_sentences(tok, max_tokens: int, digits) -> int:
 
 def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, needle_docs: int = 0,
               needle_max_sentences: int | None = 16, needle_digits=(4, 10), drill_docs: int = 0, drill_digits=(6, 16),
-              split_digits: bool = False, vocab_size: int = 384, document_masking: bool = False,
-              **model_kw) -> dict:
+              drill_style: str = "passkey", split_digits: bool = False, vocab_size: int = 384,
+              document_masking: bool = False, **model_kw) -> dict:
     """Write ``out``/{model, tokenizer inside model, corpus.jsonl, data_<L>} and return their paths.
 
     ``needle_docs``: passkey documents (``make_needle_corpus``) shuffled into each data_<L>, so the model
     learns eval_needle's prompt format; ``needle_max_sentences=None`` fills each length's documents with up to
     as many haystack sentences as fit one row of L tokens (a fresh draw per length: longer stages see longer
-    haystacks, as eval_needle will ask). ``drill_docs``: passkey drills (``make_drill_corpus``), which teach
-    the copying itself. ``split_digits``: the tokenizer isolates digits (``build_tokenizer``); with all three,
-    the demo's model reads 2-digit needles out of its haystack (README, "Quick start"). The tokenizer also sees
-    the eval's filler text. ``document_masking``: rows also carry ``position_ids`` restarting at every document
-    (``prepare_data.py --document-masking``), so attention stays inside documents. ``corpus.jsonl`` holds the
-    documents of the first length. ``model_kw``: ``build_model`` sizes.
+    haystacks, as eval_needle will ask). ``drill_docs``: passkey drills (``make_drill_corpus``, sentence
+    ``drill_style``), which teach the copying itself. ``split_digits``: the tokenizer isolates digits
+    (``build_tokenizer``); with all three, the demo's model reads 2-digit needles out of its haystack (README,
+    "Quick start"). The tokenizer also sees the eval's filler text. ``document_masking``: rows also carry
+    ``position_ids`` restarting at every document (``prepare_data.py --document-masking``), so attention stays
+    inside documents. ``corpus.jsonl`` holds the documents of the first length. ``model_kw``: ``build_model`` sizes.
     """
     import json
 
@@ -184,7 +194,8 @@ def build_all(out: str, seq_lengths=(128,), n_docs: int = 200, seed: int = 0, ne
 
     os.makedirs(out, exist_ok=True)
     rng = random.Random(seed)
-    base = make_corpus(n_docs, seed) + (make_drill_corpus(drill_docs, seed, drill_digits) if drill_docs else [])
+    drills = make_drill_corpus(drill_docs, seed, drill_digits, drill_style) if drill_docs else []
+    base = make_corpus(n_docs, seed) + drills
     tok_texts = base
     if needle_docs:
         from easy_context.haystack import filler_text
@@ -237,6 +248,8 @@ if __name__ == "__main__":
     p.add_argument("--drill-docs", type=int, default=0, help="passkey drills (teach copying numbers)")
     p.add_argument("--drill-digits", type=int, nargs=2, default=[6, 16], metavar=("MIN", "MAX"),
                    help="digits of the drills' numbers")
+    p.add_argument("--drill-style", choices=sorted(DRILL_STYLES), default="passkey",
+                   help="drill sentence (DRILL_STYLES): passkey, or recall (asked again as eval_needle asks)")
     p.add_argument("--split-digits", action="store_true", help="tokenizer isolates digits (\" 4\" \"8\")")
     p.add_argument("--vocab", type=int, default=384, help="tokenizer vocabulary size")
     p.add_argument("--document-masking", action="store_true", help="position_ids restarting per document")
@@ -248,7 +261,7 @@ if __name__ == "__main__":
     a = p.parse_args()
     for k, v in build_all(a.out, a.seq_lengths, a.docs, a.seed, needle_docs=a.needle_docs,
                           needle_max_sentences=a.needle_max_sentences or None, needle_digits=tuple(a.needle_digits),
-                          drill_docs=a.drill_docs, drill_digits=tuple(a.drill_digits), split_digits=a.split_digits,
-                          vocab_size=a.vocab, document_masking=a.document_masking, hidden=a.hidden,
-                          layers=a.layers, heads=a.heads, kv_heads=a.kv_heads).items():
+                          drill_docs=a.drill_docs, drill_digits=tuple(a.drill_digits), drill_style=a.drill_style,
+                          split_digits=a.split_digits, vocab_size=a.vocab, document_masking=a.document_masking,
+                          hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads).items():
         print(f"{k}: {v}")
