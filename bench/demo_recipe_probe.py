@@ -44,6 +44,8 @@ def main(argv=None):
     p.add_argument("--save-theta", type=float, default=1e5, help="theta stage 2 is scored (and saved) with")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--show-misses", type=int, default=0, help="print this many wrong answers (expected->argmax)")
+    p.add_argument("--save", default=None, help="save the model of each stage to SAVE/stage<N>")
     a = p.parse_args(argv)
 
     import torch
@@ -79,18 +81,20 @@ def main(argv=None):
     @torch.no_grad()
     def needle():
         model.eval()
-        by_len, by_tok = {}, {}
+        by_len, by_tok, misses = {}, {}, []
         for L, ids, ans in evset:
             logits = model(torch.tensor([ids + ans])).logits[0, len(ids) - 1:len(ids) - 1 + len(ans)]
             pred = logits.argmax(-1).tolist()
             by_len.setdefault(L, []).append(pred == ans)
+            if pred != ans:
+                misses.append(f"{tok.decode(ans)!r}->{tok.decode(pred)!r}")
             for j, (u, v) in enumerate(zip(pred, ans)):
                 by_tok.setdefault(j, []).append(u == v)
         model.train()
         acc = sum(sum(v) for v in by_len.values()) / len(evset)
         mean = lambda v: f"{sum(v) / len(v):.2f}"  # noqa: E731
         return acc, (" ".join(mean(v) for v in by_len.values()) + "] per answer token ["
-                     + " ".join(mean(v) for v in by_tok.values()))
+                     + " ".join(mean(v) for v in by_tok.values()) + "] misses [" + " ".join(misses[:a.show_misses]))
 
     def doc_mask(pos):  # (B, 1, T, T): causal inside each document (position_ids restart at 0)
         doc = torch.cumsum((pos == 0).long(), 1)
@@ -134,6 +138,8 @@ def main(argv=None):
                 print(f"seed {a.seed} stage {n} step {step + 1:5d}  loss {sum(losses) / len(losses):.3f}  "
                       f"needle {acc:.2f}  by length [{per_len}]  {time.time() - t0:.0f} s", flush=True)
                 losses = []
+        if a.save:
+            model.save_pretrained(os.path.join(a.save, f"stage{n}"))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 # `make demo`: the whole pipeline on 2 CPU cores, no downloads, under 10 minutes.
 #  1. a tiny Llama (2 layers, width 128, 4 heads without GQA) from a config, a byte-level BPE tokenizer that
 #     keeps digits apart (tokenizers library) and a toy corpus: templated prose, passkey drills ("The pass key
-#     is N. Remember it. N is the pass key.") and passkey documents in eval_needle's exact prompt format, both
-#     with 2-digit N, haystacks as long as each stage's rows allow; packed with document masking (training/toy.py)
+#     is: N. Remember it. The pass key is: N.", asked for again the way eval_needle's question asks) and passkey
+#     documents in eval_needle's exact prompt format, both with 2-digit N, haystacks as long as each stage's rows
+#     allow; packed with document masking (training/toy.py)
 #  2. two progressive stages on 2 CPU processes: zigzag ring attention under DeepSpeed ZeRO-3 (gloo),
 #     sequence length 256 -> 512 and RoPE theta 2e4 -> 8e4 (the final model is saved with theta 1e5)
 #  3. eval_ppl.py (+ plot.py, log y axis), eval_needle.py (heatmaps of stage 1 and stage 2: haystacks of 64-448
@@ -25,7 +26,8 @@ while [ $# -gt 0 ]; do
     --seed) SEED=${2:?--seed needs a number}; shift 2 ;;
     --seed=*) SEED=${1#--seed=}; shift ;;
     --check) CHECK=1; shift ;;
-    *) echo "usage: $0 [--seed N] [--check]  (env: OUT, SEED, CHECK, MIN_ACC, STAGE1_STEPS, STAGE2_STEPS)" >&2; exit 2 ;;
+    *) echo "usage: $0 [--seed N] [--check]  (env: OUT, SEED, CHECK, MIN_ACC, STAGE1_STEPS, STAGE2_STEPS)" >&2
+       exit 2 ;;
   esac
 done
 case "$SEED" in ''|*[!0-9]*) echo "--seed / SEED must be a non-negative integer, got '$SEED'" >&2; exit 2 ;; esac
@@ -40,7 +42,7 @@ echo "== [1/5] (seed $SEED) tiny Llama + tokenizer + packed corpus (prose, passk
 rm -rf "$OUT/assets" "$OUT/stage1" "$OUT/stage2" "$OUT/eval"
 python -m easy_context.training.toy "$OUT/assets" --seq-lengths 256 512 --docs 400 --document-masking \
   --needle-docs 6000 --needle-max-sentences 0 --needle-digits 2 2 --drill-docs 12000 --drill-digits 2 2 \
-  --split-digits --vocab 768 --hidden 128 --heads 4 --kv-heads 4 --seed "$SEED"
+  --drill-style recall --split-digits --vocab 768 --hidden 128 --heads 4 --kv-heads 4 --seed "$SEED"
 
 echo "== [2/5] stage 1: seq 256, rope theta 2e4, zigzag_ring_attn on 2 CPU processes, DeepSpeed ZeRO-3"
 train --model "$OUT/assets/tiny-llama" --dataset "$OUT/assets/data_256" --output-dir "$OUT/stage1" \
@@ -50,9 +52,9 @@ train --model "$OUT/assets/tiny-llama" --dataset "$OUT/assets/data_256" --output
 
 echo "== [3/5] stage 2: seq 512, rope theta 8e4 (saved as 1e5), starting from stage 1"
 train --model "$OUT/stage1" --dataset "$OUT/assets/data_512" --output-dir "$OUT/stage2" \
-  --seq-length 512 --rope-theta 8e4 --save-rope-theta 1e5 --parallel_mode zigzag_ring_attn --batch-size 4 --seed "$SEED" \
-  --gradient-accumulate-every 1 --max-train-steps ${STAGE2_STEPS:-150} --learning-rate 1e-3 --warmup-steps 5 \
-  --checkpoint-every 50
+  --seq-length 512 --rope-theta 8e4 --save-rope-theta 1e5 --parallel_mode zigzag_ring_attn --batch-size 4 \
+  --seed "$SEED" --gradient-accumulate-every 1 --max-train-steps ${STAGE2_STEPS:-150} --learning-rate 1e-3 \
+  --warmup-steps 5 --checkpoint-every 50
 
 echo "== [4/5] evals"
 EVAL=$OUT/eval
