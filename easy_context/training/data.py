@@ -286,13 +286,8 @@ def recover_scratch(output: str) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    from .run_dir import _pid_alive  # one copy (the run lock's)
+    return _pid_alive(pid)
 
 
 def save_dataset_atomic(ds, output: str) -> None:

@@ -202,14 +202,7 @@ class RunLock:
             self.held = False
 
 
-def signal_on_parent_death(sig: int) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG); False where unsupported."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
-    except (OSError, AttributeError):
-        return False
-    return True
+from ..dispatch_ahead import signal_on_parent_death  # noqa: E402  (one copy, in the library)
 
 
 def exit_with_parent() -> None:
