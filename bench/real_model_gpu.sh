@@ -8,8 +8,9 @@
 #   bash bench/real_model_gpu.sh before       # evals of the original model (below)                          ~3 min
 #   bash bench/real_model_gpu.sh stage 1      # 8K,  theta 5e5, 110 steps (+ perplexity of the stage model)   ~3-4 min
 #   bash bench/real_model_gpu.sh stage 2      # 32K, theta 2e6,  80 steps                                    ~4-5 min
-#   bash bench/real_model_gpu.sh stage 3      # 64K, theta 5e6,  60 steps                                    ~5-6 min
-#   bash bench/real_model_gpu.sh after        # the same evals of the 64K model + summary.md before/after     ~3 min
+#   bash bench/real_model_gpu.sh stage 3      # 64K, theta 5e6,  60 steps                                    ~2-3 min
+#   bash bench/real_model_gpu.sh stage 4      # 64K, retrieval chat rows (labels on replies), 60 x GA 2     ~4-5 min
+#   bash bench/real_model_gpu.sh after        # the same evals of the final model + summary.md before/after   ~4 min
 #   bash bench/real_model_gpu.sh report       # summary.md again from what /tmp/real holds                  ~5 s
 # Evals: eval_needle.py 4K..64K (step NEEDLE_STEP=4096) x depth 0..1 (0.1), chat template, the CPython docs'
 # prose as haystack; eval_ppl.py on the held-out long documents (first 1K..64K tokens, doubling -> loss by position);
@@ -30,7 +31,8 @@ export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HU
 export PYTORCH_ALLOC_CONF=expandable_segments:True
 export HF_DATASETS_CACHE=$R/hf_datasets_cache
 MODEL0=$R/model/smollm2-135m-instruct
-FINAL=$R/runs/smollm2-135m-64K-rope-5e6
+STAGE3=$R/runs/smollm2-135m-64K-rope-5e6
+FINAL=$R/runs/smollm2-135m-64K-rope-5e6-retrieval
 PPL_MAX=${PPL_MAX:-65536}
 export TIME_LIMIT=${TIME_LIMIT:-480}
 mkdir -p "$OUT"
@@ -42,7 +44,7 @@ logged() {  # LOG CMD...: the command's output to LOG; on failure its tail and t
   return 0
 }
 need_setup() {
-  [ -f "$MODEL0/config.json" ] && [ -d "$R/data/65536" ] \
+  [ -f "$MODEL0/config.json" ] && [ -d "$R/data/65536" ] && [ -d "$R/data/retrieval_65536" ] \
     || die "nothing set up in $R (machine released?): run keep and setup again"
 }
 
@@ -84,7 +86,8 @@ evals() {  # MODEL NAME NOTE [needle|no-needle]: results in $R/results/NAME (kep
 
 summary() {
   python3 bench/real_model_probe.py report --out "$R/results/summary" --runs before="$R/results/before" \
-    stage1="$R/results/stage1" stage2="$R/results/stage2" after="$R/results/after" | tail -60
+    stage1="$R/results/stage1" stage2="$R/results/stage2" stage3="$R/results/stage3" after="$R/results/after" \
+    | tail -60
   cp -r "$R/results/summary" "$OUT/"
 }
 
@@ -134,6 +137,9 @@ case "${1:-}" in
       [ -d "$R/data/$S" ] || python3 prepare_data.py --dataset "$R/text/train.jsonl" --tokenizer "$MODEL0" \
         --seq-length "$S" --output "$R/data/$S" 2>&1 | grep -E "^wrote|rror"
     done
+    [ -d "$R/data/retrieval_65536" ] || python3 -m easy_context retrieval-data --tokenizer "$MODEL0" \
+      --haystack "$R/text/train.jsonl" --seq-length 65536 --rows "${RET_ROWS:-160}" --output "$R/data/retrieval_65536" \
+      2>&1 | grep -E "^wrote|rror"
     echo "== setup: $(( $(date +%s) - t0 )) s"
     cp "$R/text/manifest.json" "$OUT/" ;;
   before)
@@ -141,12 +147,12 @@ case "${1:-}" in
     evals "$MODEL0" before "original: 8K, theta 1e5" ;;
   stage)
     need_setup
-    n=${2:?stage 1, 2 or 3}
+    n=${2:?stage 1, 2, 3 or 4}
     case "$n" in 1) s=$R/runs/smollm2-135m-8K-rope-5e5 ;; 2) s=$R/runs/smollm2-135m-32K-rope-2e6 ;;
-                 3) s=$FINAL ;; *) die "stage 1, 2 or 3" ;; esac
+                 3) s=$STAGE3 ;; 4) s=$FINAL ;; *) die "stage 1, 2, 3 or 4" ;; esac
     t0=$(date +%s)
     logged "$OUT/stage$n.log" env MODEL="$MODEL0" DATA_8K="$R/data/8192" DATA_32K="$R/data/32768" \
-      DATA_64K="$R/data/65536" OUT="$R/runs" STAGES="$n" bash train_scripts/EasyContext-SmolLM2-135M-64K.sh
+      DATA_64K="$R/data/65536" DATA_RET="$R/data/retrieval_65536" OUT="$R/runs" STAGES="$n" bash train_scripts/EasyContext-SmolLM2-135M-64K.sh
     grep -E "^== |^(zigzag|saved)" "$OUT/stage$n.log" || true
     if [ -f "$s/metrics.jsonl" ]; then
       cp "$s/metrics.jsonl" "$OUT/metrics_stage$n.jsonl"
@@ -154,12 +160,12 @@ case "${1:-}" in
     fi
     [ -f "$s/config.json" ] || die "stage $n did not finish (log: $OUT/stage$n.log); run 'stage $n' again to resume"
     echo "== stage $n: $(( $(date +%s) - t0 )) s"
-    [ "$n" = 3 ] || [ "${PPL_AFTER_STAGE:-1}" = 0 ] || evals "$s" "stage$n" "stage $n" no-needle ;;
+    [ "$n" = 4 ] || [ "${PPL_AFTER_STAGE:-1}" = 0 ] || evals "$s" "stage$n" "stage $n" no-needle ;;
   after)
     need_setup
     [ -f "$FINAL/config.json" ] || die "no 64K model at $FINAL: run the stages first"
-    evals "$FINAL" after "stages 1-3: 64K, theta 5e6"
+    evals "$FINAL" after "stages 1-4: 64K, theta 5e6, retrieval chat"
     summary ;;
   report) summary ;;
-  *) echo "usage: $0 pack|keep|setup|before|stage 1|stage 2|stage 3|after|report" >&2; exit 2 ;;
+  *) echo "usage: $0 pack|keep|setup|before|stage 1|stage 2|stage 3|stage 4|after|report" >&2; exit 2 ;;
 esac

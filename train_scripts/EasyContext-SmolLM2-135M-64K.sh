@@ -13,6 +13,13 @@
 # | 1 |  8,192 | 5e5        | 110   | 8  | 7.2M       | DATA_8K  | 2024 |
 # | 2 | 32,768 | 2e6        |  80   | 2  | 5.2M       | DATA_32K | 2025 |
 # | 3 | 65,536 | 5e6        |  60   | 1  | 3.9M       | DATA_64K | 2026 |
+# | 4 | 65,536 | 5e6        |  60   | 2  | 7.9M       | DATA_RET | 2027 |
+#
+# Stage 4 (not in EasyContext, which extended a 7B model whose retrieval survived raw-text training): chat-formatted
+# needle retrieval at every length up to 64K, labels on the replies only (`python -m easy_context retrieval-data`,
+# haystack = the training split's sources + generated prose, never eval_needle's haystack), LR 3e-5. After stages
+# 1-3 (raw text only) this 135M model keeps its perplexity but answers a long prompt's question with nothing or
+# with more haystack (needle 0.00 at every length, docs/real-model.md); stage 4 teaches the reply back.
 #
 # Theta: a RoPE dimension whose period exceeds the trained length is never seen through a full turn; with head_dim
 # 64 and theta 1e5 at 8K that is every dimension past the 40th. Keeping the same 40 dimensions within 32K needs
@@ -22,8 +29,8 @@
 # Data: CPython's standard library (PSF-2.0) from `python -m easy_context real-text DIR` (7.5M tokens of this
 # tokenizer; ~1 epoch per stage), packed by prepare_data.py (docs/real-model.md); bench/real_model_gpu.sh runs it all.
 #
-# Settings from the environment: MODEL (the converted model dir), DATA_8K / DATA_32K / DATA_64K, OUT (default
-# output), STAGES (default "1 2 3"), STEPS1..STEPS3, SEQ1..SEQ3 and GA1..GA3 (for a small smoke run), LR,
+# Settings from the environment: MODEL (the converted model dir), DATA_8K / DATA_32K / DATA_64K / DATA_RET, OUT (default
+# output), STAGES (default "1 2 3 4"), STEPS1..STEPS4, SEQ1..SEQ4 and GA1..GA4 (for a small smoke run), LR, LR4,
 # TIME_LIMIT (seconds per stage, default 540: then train.py gets SIGTERM, saves a checkpoint and exits 75; running
 # again resumes it), CKPT_EVERY (default 0: none besides that one), LAUNCH (default python3; e.g. "accelerate launch
 # --config_file accelerate_configs/single_gpu.yaml" for DeepSpeed), DRY_RUN=1 (print the commands). Re-running
@@ -35,25 +42,27 @@ MODEL=${MODEL:-output/smollm2-135m-instruct}
 DATA_8K=${DATA_8K:-data/real_8192}
 DATA_32K=${DATA_32K:-data/real_32768}
 DATA_64K=${DATA_64K:-data/real_65536}
+DATA_RET=${DATA_RET:-data/retrieval_65536}
 OUT=${OUT:-output}
-STAGES=${STAGES:-1 2 3}
+STAGES=${STAGES:-1 2 3 4}
 LR=${LR:-5e-5}
+LR4=${LR4:-3e-5}
 CKPT_EVERY=${CKPT_EVERY:-0}
 TIME_LIMIT=${TIME_LIMIT:-540}
 LAUNCH=${LAUNCH:-python3}
 export ACCELERATE_MIXED_PRECISION=${ACCELERATE_MIXED_PRECISION:-bf16}  # plain launch: autocast over fp32 weights
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 
-# stage N OUT INIT SEQ THETA STEPS GA DATASET SEED
+# stage N OUT INIT SEQ THETA STEPS GA DATASET SEED [LR]
 stage() {
-  local n=$1 out=$2 init=$3 seq=$4 theta=$5 steps=$6 ga=$7 data=$8 seed=$9
+  local n=$1 out=$2 init=$3 seq=$4 theta=$5 steps=$6 ga=$7 data=$8 seed=$9 lr=${10:-$LR}
   case " $STAGES " in *" $n "*) ;; *) return 0 ;; esac
   if [ -f "$out/config.json" ]; then echo "== stage $n: $out is done, skipping"; return 0; fi
-  echo "== stage $n: $out: seq $seq, rope theta $theta, $steps steps x GA $ga, lr $LR"
+  echo "== stage $n: $out: seq $seq, rope theta $theta, $steps steps x GA $ga, lr $lr"
   local rc=0
   ${DRY_RUN:+echo} timeout --preserve-status --signal=TERM --kill-after=60 "$TIME_LIMIT" $LAUNCH train.py \
     --batch-size 1 --gradient-accumulate-every "$ga" --output-dir "$out" --seed "$seed" \
-    --max-train-steps "$steps" --learning-rate "$LR" --warmup-steps 10 --rope-theta "$theta" --model "$init" \
+    --max-train-steps "$steps" --learning-rate "$lr" --warmup-steps "${WARMUP:-10}" --rope-theta "$theta" --model "$init" \
     --dataset "$data" --seq-length "$seq" --parallel_mode zigzag_ring_attn --chunked-loss \
     --checkpointing selective --checkpoint-every "$CKPT_EVERY" --resume || rc=$?
   if [ "$rc" -ne 0 ]; then
@@ -67,4 +76,7 @@ S=$OUT/smollm2-135m
 stage 1 "$S-8K-rope-5e5"  "$MODEL"          "${SEQ1:-8192}"  500000  "${STEPS1:-110}" "${GA1:-8}" "$DATA_8K"  2024
 stage 2 "$S-32K-rope-2e6" "$S-8K-rope-5e5"  "${SEQ2:-32768}" 2000000 "${STEPS2:-80}"  "${GA2:-2}" "$DATA_32K" 2025
 stage 3 "$S-64K-rope-5e6" "$S-32K-rope-2e6" "${SEQ3:-65536}" 5000000 "${STEPS3:-60}"  "${GA3:-1}" "$DATA_64K" 2026
-echo "final model: $S-64K-rope-5e6"
+stage 4 "$S-64K-rope-5e6-retrieval" "$S-64K-rope-5e6" "${SEQ4:-65536}" 5000000 "${STEPS4:-60}" "${GA4:-2}" \
+  "$DATA_RET" 2027 "$LR4"
+echo "final model: $S-64K-rope-5e6-retrieval"
+
