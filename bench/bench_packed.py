@@ -39,8 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import cuda_time_ms, env_line, table  # noqa: E402
 from easy_context import kernels, packing  # noqa: E402
-from easy_context import dispatch as dispatch_mod  # noqa: E402
-from easy_context.dispatch import plan_dispatch  # noqa: E402
+from bench.dispatch_solvers import plan_dispatch, rank_ms  # noqa: E402
 from easy_context.dispatch_ring import DispatchPlan  # noqa: E402
 from easy_context.sharding import pairs_shard, pairs_unshard, zigzag_pairs  # noqa: E402
 from easy_context.zigzag_ring_attn.attention import ring_steps  # noqa: E402
@@ -178,9 +177,9 @@ def _dispatch_name(d, world, m):
 def predicted_ms(ranks, before=False) -> list[float]:
     """Per-rank fwd+bwd ms of dispatch.py's fitted time model from exact per-rank counts (``layout_counts``).
     ``before``: the dispatch as first measured, whose every step made full-size passes like the ring's."""
-    return dispatch_mod.rank_ms([c["causal"] + c["rect"] for c in ranks], [c["pieces"] for c in ranks],
-                                [c["steps"] for c in ranks], ranks[0]["tokens"], [c["dense"] for c in ranks],
-                                [c["varlen"] for c in ranks], ring=before or ranks[0]["ring"])
+    return rank_ms([c["causal"] + c["rect"] for c in ranks], [c["pieces"] for c in ranks],
+                   [c["steps"] for c in ranks], ranks[0]["tokens"], [c["dense"] for c in ranks],
+                   [c["varlen"] for c in ranks], ring=before or ranks[0]["ring"])
 
 
 def kv_mb(tokens_recv, heads, dim, dkv_tokens=None, dkv_bytes=2):
