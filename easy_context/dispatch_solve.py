@@ -28,7 +28,6 @@ DEEP_SOURCES = 8  # the deeper boundary search tries the 8 slowest ranks at most
                   # doubled the planning time for no better deal (docs/packed_dispatch.md, 2026-12-06)
 
 
-
 def solve(costs: list[float], world: int, start=None) -> tuple[tuple[int, ...], ...]:
     """Deal chunks of ``costs`` to ``world`` ranks, len(costs)/world each, minimising the largest sum (LPT, or the
     deal ``start``, then swaps off the most loaded rank while they lower it). Deterministic (ties by index); rank 0
@@ -127,7 +126,6 @@ def predict(positions: torch.Tensor, world: int, per_rank: int, window: int | No
         pieces[owner_of[g]] += len({owner_of[h] for h in range(first, g)})
     work = [sum(costs[g] for g in own) + MODEL.TOKEN_COST * c * len(own) for own in owners]
     return Prediction(per_rank, tuple(work), tuple(pieces), owners)
-
 
 
 def estimate(positions: torch.Tensor, cuts, owners, window: int | None = None, stats=None):
