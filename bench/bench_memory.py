@@ -273,7 +273,7 @@ def measure(model, impl, L, args, device, opt=False):
         mgr.reserve(n_kept * L * model.config.hidden_size * 2)
     cleanup(model, device)
     if mgr is not None and device.type == "cuda" and getattr(args, "timeline", False) and impl == "ours":
-        from easy_context.memory.timeline import Timeline
+        from bench.offload_timeline import Timeline
         mgr.timeline = Timeline()  # events only: no synchronisation inside the step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

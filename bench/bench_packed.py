@@ -34,13 +34,14 @@ import os
 import statistics
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench import packed_fit  # noqa: E402
 from bench.common import cuda_time_ms, env_line, table  # noqa: E402
 from easy_context import kernels, packing  # noqa: E402
-from easy_context import dispatch as dispatch_mod  # noqa: E402
-from easy_context.dispatch import plan_dispatch  # noqa: E402
+from bench.dispatch_solvers import plan_dispatch, rank_ms  # noqa: E402
 from easy_context.dispatch_ring import DispatchPlan  # noqa: E402
 from easy_context.sharding import pairs_shard, pairs_unshard, zigzag_pairs  # noqa: E402
 from easy_context.zigzag_ring_attn.attention import ring_steps  # noqa: E402
@@ -178,9 +179,9 @@ def _dispatch_name(d, world, m):
 def predicted_ms(ranks, before=False) -> list[float]:
     """Per-rank fwd+bwd ms of dispatch.py's fitted time model from exact per-rank counts (``layout_counts``).
     ``before``: the dispatch as first measured, whose every step made full-size passes like the ring's."""
-    return dispatch_mod.rank_ms([c["causal"] + c["rect"] for c in ranks], [c["pieces"] for c in ranks],
-                                [c["steps"] for c in ranks], ranks[0]["tokens"], [c["dense"] for c in ranks],
-                                [c["varlen"] for c in ranks], ring=before or ranks[0]["ring"])
+    return rank_ms([c["causal"] + c["rect"] for c in ranks], [c["pieces"] for c in ranks],
+                   [c["steps"] for c in ranks], ranks[0]["tokens"], [c["dense"] for c in ranks],
+                   [c["varlen"] for c in ranks], ring=before or ranks[0]["ring"])
 
 
 def kv_mb(tokens_recv, heads, dim, dkv_tokens=None, dkv_bytes=2):
@@ -408,6 +409,100 @@ def simulate(L, world, heads, dim, median, sigma, iters, device="cuda", pairs=No
     return rows
 
 
+def tiles(nq, nk, causal, bq, bk):
+    """Kernel tiles (bq q rows x bk keys) a piece runs; a causal piece (bottom-right aligned) skips tiles above its
+    diagonal."""
+    tq, tk = -(-nq // bq), -(-nk // bk)
+    if not causal:
+        return tq * tk
+    off = nk - nq  # key j is visible to row i when j <= i + off
+    return sum(min(tk, (min(nq, (i + 1) * bq) - 1 + off) // bk + 1) for i in range(tq))
+
+
+def rank_features(blocks, recv, L, world):
+    """Candidate features of one rank from its steps' BlockDocs (``recv``: kv rows it receives)."""
+    f = dict(causal=0.0, rect=0.0, tf=0.0, tb=0.0, tf_causal=0.0, tf_rect=0.0, pieces=0, short=0, launches=0,
+             varlen=0, dense=0, rows=0.0, steps=0, recv=recv, small=0.0, deep=0.0)
+    for bd in blocks:
+        ps = bd.pieces()
+        if not ps:
+            continue
+        f["steps"] += 1
+        for qs, ks, c in ps:
+            nq, nk = qs.stop - qs.start, ks.stop - ks.start
+            f["causal" if c else "rect"] += nq * nk / 2 if c else nq * nk
+            t = tiles(nq, nk, c, 128, 128)
+            f["tf"] += t
+            f["tf_causal" if c else "tf_rect"] += t
+            f["tb"] += tiles(nq, nk, c, 64, 128)
+            f["pieces"] += 1
+            f["short"] += min(nq, nk) < 128
+            f["rows"] += nq + nk  # rows a piece reads and merges (into= accumulators, dq/dk/dv)
+            n = nq * nk / 2 if c else nq * nk
+            f["small"] += n if n < 2 ** 26 else 0  # elements of small launches (under-filled GPU, short loops)
+            f["deep"] += 0 if c else n * (nk >= 16384)  # long kv loops per q tile
+        for kind, _ in kernels._group("fa4", ps):
+            f["launches"] += 1
+            f["varlen" if kind == "varlen" else "dense"] += 1
+    return f
+
+
+def layout_features(L, world, lens, layout):
+    """Per rank: ``rank_features`` of the stored layout named ``layout`` (its row rebuilt: bench_packed is
+    deterministic), ``ring`` 1 for the fixed ring."""
+    docs = packing.documents(positions(lens))
+    if not layout.startswith("dispatch"):
+        k = int(layout.split("k=")[1])
+        out = []
+        for r in range(world):
+            blocks = [b[4] for b in rank_blocks(r, world, L, docs, k)]
+            f = rank_features(blocks, (world - 1) * L // world, L, world)
+            f["ring"] = 1
+            out.append(f)
+        return out
+    m = ("old" if "old pick" in layout else "prev" if "work-balanced" in layout else "fastest" if "fastest" in layout
+         else "first" if "first-search" in layout else "new" if "time-balanced" in layout
+         else int(layout.split("m=")[1]))
+    d, plan = dispatch_layout(lens, L, world, m)
+    if m == "new" and d.chunks != int(layout.split()[1]):  # runs before 2026-12-05's balance rule: the fastest pick
+        d, plan = dispatch_layout(lens, L, world, "fastest")
+    out = []
+    for r in range(world):
+        f = rank_features([bd for _, _, bd in dispatch_blocks(r, plan)], plan.received_tokens(r), L, world)
+        f["ring"] = 0
+        out.append(f)
+    return out
+
+
+def with_kinds(rows: list[dict]) -> list[dict]:
+    """Rows of runs before the launch kinds were stored: their dense/varlen counts rebuilt (bench_packed is
+    deterministic: same rows, same seed)."""
+    for r in rows:
+        if r.get("ranks") and "dense" not in r["ranks"][0]:
+            feats = layout_features(r["L"], r["W"], doc_lengths(r["L"], 1500, 1.5, r.get("seed", 0)), r["layout"])
+            for c, f in zip(r["ranks"], feats):
+                c.update(dense=f["dense"], varlen=f["varlen"])
+    return rows
+
+
+def fit_report(path: str, use=packed_fit.MODEL) -> dict:
+    """``--fit``: packed_fit's constants re-fitted on the per-rank times of a bench_packed JSON, and the errors."""
+    with open(path) as f:
+        data = json.load(f)
+    rows = with_kinds(data.get("rows", []))
+    errs = [abs(float(r["rel_err"])) for r in packed_fit.fit(rows, fixed=packed_fit.current())[1]]
+    print(f"dispatch.py's model on {path}: |rel err| mean {np.mean(errs):.3f}, max {max(errs):.3f}")
+    consts, res = packed_fit.fit(rows, use)
+    print(f"fitted on {len(res)} points:")
+    for name, v in consts.items():
+        print(f"  {name:>14s}: {v:.4g} ms")
+    for r in res:
+        print(f"  {r['point']:<60s} measured {r['measured_ms']:>8.2f}  fitted {r['fitted_ms']:>8.2f}  {r['rel_err']}")
+    errs = [abs(float(r["rel_err"])) for r in res]
+    print(f"  |rel err|: mean {np.mean(errs):.3f}, max {max(errs):.3f}")
+    return consts
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 524288])
@@ -444,8 +539,7 @@ def main():
         from easy_context.kernels import documents
         documents.RECT_VARLEN_MAX = args.rect_varlen
     if args.fit:
-        from bench import packed_fit
-        packed_fit.main(args.fit)
+        fit_report(args.fit)
         return
     if args.window is not None and args.window < 1:
         ap.error(f"--window {args.window}: a number of tokens >= 1")

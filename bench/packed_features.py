@@ -18,71 +18,6 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench import bench_packed as B  # noqa: E402
 from bench.packed_fit import _solve  # noqa: E402
-from easy_context import packing  # noqa: E402
-from easy_context.kernels.documents import _group  # noqa: E402
-
-
-def tiles(nq, nk, causal, bq, bk):
-    """Kernel tiles (bq q rows x bk keys) a piece runs; a causal piece (bottom-right aligned) skips tiles above its
-    diagonal."""
-    tq, tk = -(-nq // bq), -(-nk // bk)
-    if not causal:
-        return tq * tk
-    off = nk - nq  # key j is visible to row i when j <= i + off
-    return sum(min(tk, (min(nq, (i + 1) * bq) - 1 + off) // bk + 1) for i in range(tq))
-
-
-def rank_features(blocks, recv, L, world):
-    """Candidate features of one rank from its steps' BlockDocs (``recv``: kv rows it receives)."""
-    f = dict(causal=0.0, rect=0.0, tf=0.0, tb=0.0, tf_causal=0.0, tf_rect=0.0, pieces=0, short=0, launches=0,
-             varlen=0, dense=0, rows=0.0, steps=0, recv=recv, small=0.0, deep=0.0)
-    for bd in blocks:
-        ps = bd.pieces()
-        if not ps:
-            continue
-        f["steps"] += 1
-        for qs, ks, c in ps:
-            nq, nk = qs.stop - qs.start, ks.stop - ks.start
-            f["causal" if c else "rect"] += nq * nk / 2 if c else nq * nk
-            t = tiles(nq, nk, c, 128, 128)
-            f["tf"] += t
-            f["tf_causal" if c else "tf_rect"] += t
-            f["tb"] += tiles(nq, nk, c, 64, 128)
-            f["pieces"] += 1
-            f["short"] += min(nq, nk) < 128
-            f["rows"] += nq + nk  # rows a piece reads and merges (into= accumulators, dq/dk/dv)
-            n = nq * nk / 2 if c else nq * nk
-            f["small"] += n if n < 2 ** 26 else 0  # elements of small launches (under-filled GPU, short loops)
-            f["deep"] += 0 if c else n * (nk >= 16384)  # long kv loops per q tile
-        for kind, _ in _group("fa4", ps):
-            f["launches"] += 1
-            f["varlen" if kind == "varlen" else "dense"] += 1
-    return f
-
-
-def layout_features(L, world, lens, layout):
-    docs = packing.documents(B.positions(lens))
-    if not layout.startswith("dispatch"):
-        k = int(layout.split("k=")[1])
-        out = []
-        for r in range(world):
-            blocks = [b[4] for b in B.rank_blocks(r, world, L, docs, k)]
-            f = rank_features(blocks, (world - 1) * L // world, L, world)
-            f["ring"] = 1
-            out.append(f)
-        return out
-    m = ("old" if "old pick" in layout else "prev" if "work-balanced" in layout else "fastest" if "fastest" in layout
-         else "first" if "first-search" in layout else "new" if "time-balanced" in layout
-         else int(layout.split("m=")[1]))
-    d, plan = B.dispatch_layout(lens, L, world, m)
-    if m == "new" and d.chunks != int(layout.split()[1]):  # runs before 2026-12-05's balance rule: the fastest pick
-        d, plan = B.dispatch_layout(lens, L, world, "fastest")
-    out = []
-    for r in range(world):
-        f = rank_features([bd for _, _, bd in B.dispatch_blocks(r, plan)], plan.received_tokens(r), L, world)
-        f["ring"] = 0
-        out.append(f)
-    return out
 
 
 def columns(f, tokens):
@@ -120,7 +55,7 @@ def main(paths):
         L, W = row["L"], row["W"]
         seed = row.get("seed", 0)  # runs before --seeds: seed 0
         lens = cache.setdefault((L, seed), B.doc_lengths(L, 1500, 1.5, seed))
-        feats = layout_features(L, W, lens, row["layout"])
+        feats = B.layout_features(L, W, lens, row["layout"])
         for i, (f, c) in enumerate(zip(feats, row["ranks"])):
             got, want = (f["causal"] + f["rect"], f["pieces"], f["steps"]), (c["causal"] + c["rect"], c["pieces"],
                                                                             c["steps"])

@@ -9,7 +9,6 @@ errors, so 20 ms and 300 ms layouts weigh alike.
 """
 from __future__ import annotations
 
-import json
 
 import numpy as np
 
@@ -79,33 +78,3 @@ def fit(rows: list[dict], use=MODEL, iters: int = 5, fixed: dict | None = None) 
     res = [dict(point=name, measured_ms=round(ms, 2), fitted_ms=round(float(f @ coef), 2),
                 rel_err=f"{float(f @ coef) / ms - 1:+.3f}") for f, ms, name in allp]
     return {n: float(c) for n, c in zip(FEATURES, coef)}, res
-
-
-def _with_kinds(rows: list[dict]) -> list[dict]:
-    """Rows of runs before the launch kinds were stored: their dense/varlen counts rebuilt (bench_packed is
-    deterministic: same rows, same seed; bench/packed_features.py)."""
-    from bench.packed_features import layout_features
-    for r in rows:
-        if r.get("ranks") and "dense" not in r["ranks"][0]:
-            from bench.bench_packed import doc_lengths
-            feats = layout_features(r["L"], r["W"], doc_lengths(r["L"], 1500, 1.5, r.get("seed", 0)), r["layout"])
-            for c, f in zip(r["ranks"], feats):
-                c.update(dense=f["dense"], varlen=f["varlen"])
-    return rows
-
-
-def main(path: str, use=MODEL) -> dict:
-    with open(path) as f:
-        data = json.load(f)
-    rows = _with_kinds(data.get("rows", []))
-    errs = [abs(float(r["rel_err"])) for r in fit(rows, fixed=current())[1]]
-    print(f"dispatch.py's model on {path}: |rel err| mean {np.mean(errs):.3f}, max {max(errs):.3f}")
-    consts, res = fit(rows, use)
-    print(f"fitted on {len(res)} points:")
-    for name, v in consts.items():
-        print(f"  {name:>14s}: {v:.4g} ms")
-    for r in res:
-        print(f"  {r['point']:<60s} measured {r['measured_ms']:>8.2f}  fitted {r['fitted_ms']:>8.2f}  {r['rel_err']}")
-    errs = [abs(float(r["rel_err"])) for r in res]
-    print(f"  |rel err|: mean {np.mean(errs):.3f}, max {max(errs):.3f}")
-    return consts

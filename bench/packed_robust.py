@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench import packed_fit  # noqa: E402
-from bench.bench_packed import doc_lengths, positions  # noqa: E402
+from bench.bench_packed import doc_lengths, positions, with_kinds  # noqa: E402
 from bench.common import table  # noqa: E402
 from easy_context import dispatch as D  # noqa: E402
 from easy_context.dispatch_segments import Estimate  # noqa: E402
@@ -44,7 +44,7 @@ def runs(paths) -> dict[str, list[dict]]:
             rows = json.load(f).get("rows", [])
         if any(r.get("ranks") and all("ms" in c for c in r["ranks"]) for r in rows):
             name = os.path.basename(path).removeprefix("h200_packed_").removesuffix(".json")
-            out[name] = packed_fit._with_kinds(rows)
+            out[name] = with_kinds(rows)
     return out
 
 

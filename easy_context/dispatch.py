@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch_cost import (MODEL, NAMES, TimeModel, _arrays, _doc_start, _stats, per_token_time, rank_ms,  # noqa: F401
+from .dispatch_cost import (MODEL, NAMES, TimeModel, _arrays, _doc_start, _stats, per_token_time,  # noqa: F401
                             token_costs)
 from .dispatch_solve import (BALANCE_SLACK, BALANCE_TARGET, DEEP_SOURCES, MAX_PER_RANK, TILE, Prediction,  # noqa: F401
                              _pick_segments, balance, candidates, deal_options, equal_deals, estimate, pick, predict,
@@ -32,55 +32,38 @@ from .dispatch_table import (AUTO, DISPATCH_KWARG, LAYOUT_ENV, Dispatch, Dispatc
                              check_fingerprint, check_world, fingerprint, packed_layout, table_of)
 from .sharding import packed_rows
 
-SOLVERS = ("auto", "first", "fastest", "chunks", "segments", "work")
-
 
 def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None,
-                  per_rank: int | None = None, solver: str = "auto") -> Dispatch | None:
+                  per_rank: int | None = None) -> Dispatch | None:
     """The dispatch of a batch whose global ``positions`` (B, L) are packed (None for rows without restarts, which
-    keep plain zigzag, or one rank). ``per_rank``: force the chunks per rank of the equal-chunk deal; default: the
-    candidate with the lowest predicted slowest-rank cost. ``solver``: "chunks" = equal chunks, m per rank (work +
-    PIECE_COST per piece); "segments" = those deals with their boundaries moved (dispatch_segments.py) to balance
-    the predicted rank time (work + pieces + ring steps, MS_PER_ELEM ...); "auto" (the default) = the fastest
-    predicted of these and the equal deals as they are, or a better balanced one within BALANCE_SLACK of it (``pick``),
-    with a deeper boundary search for rows that leaves unbalanced (``deal_options``); "first" = "auto" without the
-    deeper search (the default of the 2026-12-05 third session); "fastest" = without the balance rule either (the
-    default before); "work" = the first default (equal deals as they are or with boundaries moved by work alone),
-    kept to compare with."""
-    if solver not in SOLVERS:
-        raise ValueError(f"plan_dispatch(solver={solver!r}): must be one of {SOLVERS}")
+    keep plain zigzag, or one rank): the equal-chunk deals (``per_rank`` forces their chunks per rank; default: every
+    candidate) as they are and with their boundaries moved (dispatch_segments.py), the fastest predicted of these or a
+    better balanced one within BALANCE_SLACK of it (``pick``), with a deeper boundary search for rows that leaves
+    unbalanced (``deal_options``). The solvers this one replaced are bench/dispatch_solvers.py's."""
     if world <= 1 or not packed_rows(positions):
         return None
     length = positions.shape[-1]
     if length % world:
         raise DispatchError(f"a packed row of {length} tokens cannot be dispatched over {world} ranks: make the length "
                             f"a multiple of {2 * world}")
-    return _plan(_key(positions), length, world, window, per_rank, positions, solver)
+    return _plan(_key(positions), length, world, window, per_rank, positions)
 
 
 _CACHE: dict = {}  # a batch's ids, positions and targets are sharded with the same positions: plan once
 
 
-def _plan(key, length, world, window, per_rank, positions, solver="auto") -> Dispatch:
-    hit = _CACHE.get((key, world, window, per_rank, solver))
+def _plan(key, length, world, window, per_rank, positions) -> Dispatch:
+    hit = _CACHE.get((key, world, window, per_rank))
     if hit is not None:
         return hit
     stats = _stats(positions, window)
     tried = equal_deals(positions, length, world, window, per_rank, stats)
-    best = min(tried, key=lambda p: (max(p.cost), p.per_rank))
-    cuts = ()
-    if solver != "chunks":
-        cuts, owners = _pick_segments(positions, length, world, window, tried, stats, solver, per_rank)
-    else:
-        owners = best.owners
+    cuts, owners = _pick_segments(positions, length, world, window, tried, stats, per_rank)
     out = Dispatch(length, owners, _hash(key), cuts)
     if len(_CACHE) > 16:
         _CACHE.clear()
-    _CACHE[(key, world, window, per_rank, solver)] = out
+    _CACHE[(key, world, window, per_rank)] = out
     return out
-
-
-
 
 
 def resolve(world: int, positions=None, pairs=None, dispatch=None, window=None) -> Dispatch | None:
@@ -108,4 +91,4 @@ def __getattr__(name):
 
 
 __all__ = ["Dispatch", "DispatchError", "DISPATCH_KWARG", "AUTO", "LAYOUT_ENV", "table_of", "plan_dispatch", "predict",
-           "estimate", "solve", "resolve", "SOLVERS", "token_costs", "packed_layout", "check_world", "candidates"]
+           "estimate", "solve", "resolve", "token_costs", "packed_layout", "check_world", "candidates"]

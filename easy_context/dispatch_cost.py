@@ -40,20 +40,6 @@ MODEL = TimeModel.load()
 NAMES = tuple(f.name for f in fields(TimeModel))  # easy_context.dispatch.<NAME> reads MODEL.<NAME>
 
 
-def rank_ms(work, pieces, steps, tokens: int, dense, varlen, ring: bool = False) -> list[float]:
-    """Per-rank fwd+bwd ms of the fitted model (bench/packed_fit.py re-fits it) from per-rank work (score elements),
-    kernel pieces, ring steps and launches by kind (``dense``, ``varlen``), ``tokens`` local tokens a rank.
-    ``ring``: the fixed ring, every step a full-size pass; the dispatch makes one (accumulator init + cast), then
-    each further step costs STEP_TIME."""
-    m = MODEL
-    out = []
-    for w, p, st, nd, nv in zip(work, pieces, steps, dense, varlen):
-        extra = m.STEP_TIME_PER_TOKEN * tokens * st if ring else m.STEP_TIME_PER_TOKEN * tokens + m.STEP_TIME * (st - 1)
-        launch = m.DENSE_TIME * nd + m.VARLEN_TIME * nv
-        out.append((w + m.PIECE_TIME * p + launch + m.TOKEN_TIME * tokens + extra) * m.MS_PER_ELEM)
-    return out
-
-
 def per_token_time(tokens: int) -> float:
     """The part of every rank's predicted time that grows with its ``tokens`` only (one full-size pass, the linear
     work), in score elements: equal on every rank, so options leave it out and max/mean counts it in."""
@@ -96,4 +82,4 @@ def _arrays(positions, window, stats):
     return prefix, restarts, start.numpy()
 
 
-__all__ = ["TimeModel", "MODEL", "NAMES", "rank_ms", "per_token_time", "token_costs"]
+__all__ = ["TimeModel", "MODEL", "NAMES", "per_token_time", "token_costs"]

@@ -16,6 +16,7 @@ import torch
 
 from .dispatch_cost import MODEL, _arrays, _stats, per_token_time
 from .dispatch_segments import Estimate, refine, segments, to_table
+from .dispatch_table import DispatchError
 
 TILE = 128               # chunk lengths are multiples of this kernel tile when the row length allows it
 MAX_PER_RANK = 16        # chunks per rank tried by the cost model (more = better balance, more kernel calls)
@@ -25,7 +26,6 @@ BALANCE_SLACK = 0.02
 BALANCE_TARGET = 1.02
 DEEP_SOURCES = 8  # the deeper boundary search tries the 8 slowest ranks at most: at W = 32 trying all of them
                   # doubled the planning time for no better deal (docs/packed_dispatch.md, 2026-12-06)
-
 
 
 def solve(costs: list[float], world: int, start=None) -> tuple[tuple[int, ...], ...]:
@@ -128,7 +128,6 @@ def predict(positions: torch.Tensor, world: int, per_rank: int, window: int | No
     return Prediction(per_rank, tuple(work), tuple(pieces), owners)
 
 
-
 def estimate(positions: torch.Tensor, cuts, owners, window: int | None = None, stats=None):
     """dispatch_segments.Estimate (work, pieces, steps per rank) of the deal ``(cuts, owners)`` of ``positions``."""
     prefix, restarts, start = _arrays(positions, window, stats)
@@ -154,49 +153,41 @@ def equal_deals(positions, length, world, window, per_rank, stats) -> list[Predi
     return tried
 
 
-def _pick_segments(positions, length, world, window, tried, stats, solver, per_rank=None):
+def _pick_segments(positions, length, world, window, tried, stats, per_rank=None):
     """(cuts, owners) of the deal ``pick`` keeps of ``deal_options``."""
-    tokens = length // world
-    options = deal_options(positions, length, world, window, tried, stats, solver, per_rank)
-    best = pick(options, tokens, BALANCE_SLACK if solver in ("auto", "first", "segments") else 0.0)
-    return to_table(best[3], world)
+    options = deal_options(positions, length, world, window, tried, stats, per_rank)
+    return to_table(pick(options, length // world)[3], world)
 
 
-def deal_options(positions, length, world, window, tried, stats, solver="auto", per_rank=None):
-    """``segment_options``; for "auto" and "segments" (not "first"), when the deal ``pick`` keeps of them
-    is predicted over BALANCE_TARGET, also the deeper search's (``sources``: moves off the next slowest rank when
-    the slowest has none, up to DEEP_SOURCES ranks). Why only then: on the 128K rows of bench_packed (seeds 0-7,
-    W = 8) priced under the model re-fitted on each H200 run, always searching deeper gives 3.7% faster slowest
-    ranks on average but fewer balanced picks (21 of 40 (row, fit) cases <= 1.05 max/mean, from 27): its deals have
-    fewer, larger pieces, whose balance depends more on the per-piece constants, the least stable ones from run to
-    run. Searching deeper only for rows left unbalanced gives 2.7% and 30 of 40 (bench/packed_robust.py --deep,
-    2026-12-05); the rows the first search balances keep their deal and their planning time (0.06-0.2 s at 128K
-    on 2 CPU cores; 0.3-0.8 s with the deeper search). With a ``window``, also the window-blind deals
-    (``_window_blind_options``)."""
-    options = segment_options(positions, length, world, window, tried, stats, solver)
+def deal_options(positions, length, world, window, tried, stats, per_rank=None):
+    """``segment_options``; when the deal ``pick`` keeps of them is predicted over BALANCE_TARGET, also the deeper
+    search's (``sources``: moves off the next slowest rank when the slowest has none, up to DEEP_SOURCES ranks). Why
+    only then: always searching deeper gives faster slowest ranks on average but fewer balanced picks (its deals have
+    fewer, larger pieces, whose balance depends more on the least stable per-piece constants); rows the first search
+    balances keep their deal and their planning time (bench/packed_robust.py --deep, docs/packed_dispatch.md). With a
+    ``window``, also the window-blind deals (``window_blind_options``)."""
+    options = segment_options(positions, length, world, window, tried, stats)
     tokens = length // world
-    if solver in ("auto", "segments") and world > 2 and balance(pick(options, tokens), tokens) > BALANCE_TARGET:
-        options += segment_options(positions, length, world, window, tried, stats, solver,
-                                   sources=min(world, DEEP_SOURCES))
-    if window is not None and solver != "work":
-        options += _window_blind_options(positions, length, world, window, stats, solver, per_rank)
+    if world > 2 and balance(pick(options, tokens), tokens) > BALANCE_TARGET:
+        options += segment_options(positions, length, world, window, tried, stats, sources=min(world, DEEP_SOURCES))
+    if window is not None:
+        options += window_blind_options(positions, length, world, window, stats, per_rank)
     return options
 
 
-def _window_blind_options(positions, length, world, window, stats, solver, per_rank):
+def window_blind_options(positions, length, world, window, stats, per_rank, options_of=None):
     """The deals planned without the window (full causal costs), priced with it (kinds + 10). Why: the boundary
-    search is local, and from another start it ends elsewhere. On 36 bench_packed-like rows (16K-512K, W = 8) a
-    window-blind deal was the pick 3 times, 6-13% faster than the best window-aware one (predicted, 2026-12-05).
-    Doubles the planning time of windowed models only."""
+    search is local, and from another start it ends elsewhere; a window-blind deal is sometimes the fastest
+    (docs/packed_dispatch.md). Doubles the planning time of windowed models only. ``options_of``: what lists the
+    blind deals (``deal_options``; bench/dispatch_solvers.py passes its other solvers')."""
     prefix, restarts, start = _arrays(positions, window, stats)
     blind_stats = _stats(positions, None)
     blind_tried = equal_deals(positions, length, world, None, per_rank, blind_stats)
     out = []
-    for o in deal_options(positions, length, world, None, blind_tried, blind_stats, solver):
+    for o in (options_of or deal_options)(positions, length, world, None, blind_tried, blind_stats):
         t = Estimate(o[3], prefix, restarts, start, world, window).time(MODEL.STEP_TIME)
         out.append(_option(t, o[1], o[2] + 10, o[3]))
     return out
-
 
 
 def balance(option, tokens: int) -> float:
@@ -223,12 +214,12 @@ def pick(options, tokens: int, slack: float = BALANCE_SLACK, target: float = BAL
     return min(good, key=lambda o: o[:3]) if good else min(near, key=lambda o: (balance(o, tokens), *o[:3]))
 
 
-def segment_options(positions, length, world, window, tried, stats, solver="auto", sources: int = 1):
-    """The deals the segment solvers choose from, as (predicted slowest-rank time, m, kind, segments, predicted rank
+def segment_options(positions, length, world, window, tried, stats, sources: int = 1):
+    """The deals the segment solver chooses from, as (predicted slowest-rank time, m, kind, segments, predicted rank
     times; times in score elements without the per-token part, equal on every rank): every per-m best equal-chunk
-    deal (kind 0, solver="auto" / "fastest"), and each with its boundaries moved by dispatch_segments.refine:
-    balancing work alone (kind 1), then from there time (2), and time from the start (3: fewer moves, pieces kept
-    together). ``sources`` > 1: the refines' deeper search (kinds 4-6 for 1-3, no kind 0)."""
+    deal (kind 0), and each with its boundaries moved by dispatch_segments.refine: balancing work alone (kind 1),
+    then from there time (2), and time from the start (3: fewer moves, pieces kept together). ``sources`` > 1: the
+    refines' deeper search (kinds 4-6 for 1-3, no kind 0)."""
     prefix, restarts, start = _arrays(positions, window, stats)
     tile = tile_of(length, world)
     deep = 3 if sources > 1 else 0
@@ -245,12 +236,10 @@ def segment_options(positions, length, world, window, tried, stats, solver="auto
     options = []
     for m, (t, cuts, owners) in sorted(per_m.items()):
         segs = segments(cuts, owners)
-        if solver in ("auto", "first", "fastest", "work") and not deep:
+        if not deep:
             options.append(_option(times(segs), m, 0, segs))
         by_work = refine(segs, prefix, world, tile, sources=sources)
         options.append(_option(times(by_work), m, 1 + deep, by_work))
-        if solver == "work":  # the first segment solver: boundaries moved by work alone (kept for bench_packed)
-            continue
         for i, first in enumerate((by_work, segs)):
             out = refine(first, prefix, world, tile, times=times, piece=MODEL.PIECE_TIME, sources=sources)
             options.append(_option(times(out), m, 2 + i + deep, out))
@@ -262,5 +251,5 @@ def _option(rank_times, m, kind, segs):
 
 
 __all__ = ["solve", "tile_of", "candidates", "Prediction", "predict", "estimate", "equal_deals", "deal_options",
-           "segment_options", "balance", "pick", "TILE", "MAX_PER_RANK", "BALANCE_SLACK", "BALANCE_TARGET",
+           "segment_options", "window_blind_options", "balance", "pick", "TILE", "MAX_PER_RANK", "BALANCE_SLACK", "BALANCE_TARGET",
            "DEEP_SOURCES"]

@@ -55,7 +55,6 @@ from .loss import IGNORE_INDEX, chunked_nll_sum, global_sum
 from .registry import DEFAULT_MODE, PLAIN_MODE, get_mode
 
 
-
 # ----------------------------------------------------------------------------------------------
 # process groups and model loading
 # ----------------------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ no import of the package, a fraction of a second.
     also ``/token``), a ratio (``1.7x``, ``0.96×``, ``4.3%``, ``max/mean 1.06``), or the word "measured" (numbers
     may carry a K / M: ``1.2M tok/s``). Measurements live in docs/ (dated sections) and bench/results/; the code
     keeps the reasoning. Docstrings are documentation and not checked.
+(e) ``easy_context/`` holds at most ``MAX_PACKAGE_LINES`` lines of Python (every line of every .py file, as
+    ``find easy_context -name '*.py' | xargs cat | wc -l`` counts them), so the package cannot silently regrow: code
+    only benchmarks or tests need lives in bench/ or tests/ (bench/dispatch_solvers.py, bench/offload_timeline.py).
+    Lower the number when the package shrinks; raise it only with the reason in the commit.
+(f) No import cycle between files of ``bench/`` (the check of (a) over that folder).
 
 Each rule is a function over a package directory that returns the offences; each is also run on a tiny synthetic
 package in ``tmp_path`` that breaks it, so a check that stopped seeing its offence would fail here.
@@ -32,7 +37,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "easy_context"
+BENCH = ROOT / "bench"
 MAX_LINES = 400
+MAX_PACKAGE_LINES = 17_954  # issue #46's goal is 15,000
 _NUMBER = r"\d(?:[\d,]*\d)?(?:\.\d+)?(?:e[+-]?\d+)?"
 MEASURED = re.compile(
     rf"{_NUMBER}[KM]?\s*(?:(?:ms|us|µs|s|sec|secs|seconds|min)\b"  # a time
@@ -139,6 +146,11 @@ def long_files(package: Path, limit: int = MAX_LINES) -> list[str]:
     return out
 
 
+def package_lines(package: Path) -> int:
+    """Lines of every .py file under ``package`` (``wc -l``: newline characters)."""
+    return sum(f.read_text().count("\n") for f in package.rglob("*.py"))
+
+
 def measured_comments(package: Path) -> list[str]:
     """``path:line: comment`` of every ``#`` comment under ``package`` that carries a measurement (``MEASURED``)."""
     out = []
@@ -165,6 +177,18 @@ def test_only_training_imports_training():
 def test_no_file_over_the_limit():
     long = long_files(PACKAGE)
     assert not long, f"files of easy_context/ over {MAX_LINES} lines (split them by concern):\n" + "\n".join(long)
+
+
+def test_package_under_its_line_budget():
+    n = package_lines(PACKAGE)
+    assert n <= MAX_PACKAGE_LINES, (f"easy_context/ has {n} lines, over its budget of {MAX_PACKAGE_LINES} (issue #46): "
+                                    "delete what is unused, move what only bench/ or tests/ need there")
+
+
+def test_no_import_cycle_in_bench():
+    cycles = import_cycles(BENCH)
+    assert not cycles, "import cycles between files of bench/ (function-level imports included):\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
 
 
 def test_no_measured_comment():
@@ -219,6 +243,11 @@ def test_training_check_sees_library_imports_of_training(tmp_path):
 def test_length_check_sees_a_file_over_the_limit(tmp_path):
     pkg = _package(tmp_path, {"short.py": "x = 1\n" * MAX_LINES, "long.py": "x = 1\n" * (MAX_LINES + 1)})
     assert long_files(pkg) == [f"easy_context/long.py: {MAX_LINES + 1}"]
+
+
+def test_line_budget_counts_every_python_line(tmp_path):
+    pkg = _package(tmp_path, {"a.py": "x = 1\n\n# c\n", "k/b.py": '\"\"\"doc\"\"\"\n', "k/c.txt": "not python\n"})
+    assert package_lines(pkg) == 4  # a.py 3, k/b.py 1, __init__.py 0; k/c.txt is no Python
 
 
 @pytest.mark.parametrize("comment", [

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from easy_context import packing, prepare_seq_parallel_inputs, shard_sequence, unshard_sequence
-from easy_context.dispatch import (DISPATCH_KWARG, LAYOUT_ENV, SOLVERS, Dispatch, DispatchError, candidates,
-                                   plan_dispatch, predict, solve, tile_of, token_costs)
+from bench.dispatch_solvers import SOLVERS
+from bench.dispatch_solvers import plan_dispatch as plan_with  # the solvers that lost to the default, to compare
+from easy_context.dispatch import (DISPATCH_KWARG, LAYOUT_ENV, Dispatch, DispatchError, candidates, plan_dispatch,
+                                   predict, solve, tile_of, token_costs)
 from easy_context.dispatch_ring import DispatchPlan
 from easy_context.sharding import packed_rows, zigzag_shard
 from tests.harness import run_ranks
@@ -139,7 +141,7 @@ def test_ring_index_tensors_are_made_once_per_plan_not_per_call():
     synchronised the GPU's stream several times a layer)."""
     from easy_context.kernels import documents as kdocs
     lengths = [5, 1, 11, 7, 24, 16]
-    d = plan_dispatch(_positions(lengths), 2, solver="segments")
+    d = plan_with(_positions(lengths), 2, solver="segments")
     plan = DispatchPlan(packing.documents(_positions(lengths)), d)
     (dst, src), = [key for key, spans in plan.need.items() if spans][:1]
     rows = plan.rows_on(dst, src, torch.device("cpu"))
@@ -178,7 +180,7 @@ def test_dispatched_ring_covers_the_mask_once_and_sends_only_what_is_needed(wind
     for world, lengths, solver in cases:
         n = sum(lengths)
         docs = packing.documents(_positions(lengths), window=window)
-        d = plan_dispatch(_positions(lengths), world, window=window, solver=solver)
+        d = plan_with(_positions(lengths), world, window=window, solver=solver)
         if d is None:  # one document: not dispatched; its cut still must be exact under a hand-made table
             docs = packing.documents(_positions(lengths), window=window) or packing.Documents(
                 torch.zeros(1, n, dtype=torch.long), window)
@@ -200,7 +202,7 @@ def test_dispatched_ring_covers_the_mask_once_and_sends_only_what_is_needed(wind
 def test_segment_solver_keeps_tokens_and_balances_a_long_document():
     from easy_context.dispatch import estimate
     pos = _positions([300, 2, 5000, 40, 1, 700, 1500, 649])  # 8192 tokens; one document holds most of the cost
-    old = plan_dispatch(pos, 4, solver="chunks")
+    old = plan_with(pos, 4, solver="chunks")
     # boundaries moved by work alone (at this size pieces dominate the predicted time, so the default merges instead)
     from easy_context.dispatch import _arrays
     from easy_context.dispatch_segments import refine, segments, to_table
@@ -215,12 +217,12 @@ def test_segment_solver_keeps_tokens_and_balances_a_long_document():
     from easy_context.dispatch import BALANCE_SLACK, STEP_TIME, STEP_TIME_PER_TOKEN, TOKEN_TIME
     fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * 2048
     t = {s: max(estimate(pos, d.cuts, d.owners).time(STEP_TIME)) + fixed for s in SOLVERS
-         for d in [plan_dispatch(pos, 4, solver=s)]}
+         for d in [plan_with(pos, 4, solver=s)]}
     # the default balances predicted time (work + pieces + steps): its candidates include every other solver's (it
     # may give up to BALANCE_SLACK of it for balance, dispatch.pick)
     assert t["auto"] <= min(t.values()) * (1 + BALANCE_SLACK + 1e-12), t
     with pytest.raises(ValueError, match="solver"):
-        plan_dispatch(pos, 4, solver="greedy")
+        plan_with(pos, 4, solver="greedy")
 
 
 def test_deeper_search_only_for_rows_the_first_search_leaves_unbalanced():

@@ -379,7 +379,7 @@ def test_offload_on_cuda_matches_layer_checkpointing():
         for name, g in grads.items():
             assert_close(g, ref_grads[name], 1e-4, f"[cuda {cfg}] grad {name}")
     # the timeline of one more step: every layer's compute, its copies each way, and the stalls, hidden or not
-    from easy_context.memory.timeline import Timeline
+    from bench.offload_timeline import Timeline
     configure_memory(model, "offload", offload_every_k=1)
     model._easy_context_offload.timeline = tl = Timeline()
     _our_step(model, ids, pos, tgt)

@@ -1,4 +1,4 @@
-"""bench/packed_fit.py (bench_packed.py --fit): the time model's constants come back from synthetic per-rank times."""
+"""bench/packed_fit.py (bench_packed.py --fit: ``fit_report``): the time model's constants come back from synthetic per-rank times."""
 import json
 
 import numpy as np
@@ -29,7 +29,8 @@ def test_fit_recovers_constants(tmp_path, capsys):
     want = dict(Melem=0.097, pieces=0.3, extra_steps=0.1, ring_step_16K=0.9, tokens_16K=0.2)
     path = tmp_path / "bench_packed.json"
     path.write_text(json.dumps(dict(rows=_rows(want))))
-    got = packed_fit.main(str(path))
+    from bench.bench_packed import fit_report
+    got = fit_report(str(path))
     for k, v in want.items():
         assert abs(got[k] - v) < 1e-6 * max(v, 1), (k, got[k], v)
     assert "|rel err|" in capsys.readouterr().out
@@ -51,7 +52,7 @@ def test_fit_from_slowest_and_mean_only():
 def test_feature_study_tiles():
     """bench/packed_features.py's tile counts: a rectangle runs every tile, a causal square those on/below its
     diagonal (T(T+1)/2), a causal piece with more keys than rows (bottom-right aligned) the extra key tiles too."""
-    from bench.packed_features import tiles
+    from bench.bench_packed import tiles
     assert tiles(300, 200, False, 128, 128) == 3 * 2
     assert tiles(1024, 1024, True, 128, 128) == 8 * 9 // 2
     assert tiles(1024, 1024, True, 64, 128) == sum(i // 2 + 1 for i in range(16))

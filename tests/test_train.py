@@ -109,13 +109,16 @@ def test_no_decay_groups():
 
 _WRITER = r"""
 import os, signal, sys
-from easy_context.training.checkpoint import atomic_dir
+from easy_context.training.checkpoint import _publish
 root, step = sys.argv[1], sys.argv[2]
-with atomic_dir(os.path.join(root, f"step-{step}")) as tmp:
-    open(os.path.join(tmp, "weights.bin"), "wb").write(b"x" * 1000)
-    if step == "0000004":
-        os.kill(os.getpid(), signal.SIGKILL)  # killed mid-write
-    open(os.path.join(tmp, "train_state.json"), "w").write('{"step": %d}' % int(step))
+name = f"step-{step}"
+tmp = os.path.join(root, f".tmp-{name}")  # as save_checkpoint: written here, renamed to step-* when complete
+os.makedirs(tmp)
+open(os.path.join(tmp, "weights.bin"), "wb").write(b"x" * 1000)
+if step == "0000004":
+    os.kill(os.getpid(), signal.SIGKILL)  # killed mid-write
+open(os.path.join(tmp, "train_state.json"), "w").write('{"step": %d}' % int(step))
+_publish(tmp, os.path.join(root, name), root, name)
 """
 
 

@@ -89,7 +89,6 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
-
 def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None):
     """Differentiable full attention (autograd through plain ops): the test oracle."""
     check_qkv(q, k, v, causal=causal)

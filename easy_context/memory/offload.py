@@ -188,7 +188,7 @@ class CheckpointOffload:
         self.pool = pool if pool is not None else HostPool()
         self._streams: dict = {}
         self._order: list[_Group] = []  # groups of the current forward, in order (for prefetch)
-        self.timeline = None  # a memory.timeline.Timeline to record copies, compute and stalls (CUDA only)
+        self.timeline = None  # a bench.offload_timeline.Timeline to record copies, compute and stalls (CUDA only)
         self._open: _Group | None = None
 
     # -- host memory / streams ---------------------------------------------------------------------

@@ -60,25 +60,6 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
 
 
-@contextlib.contextmanager
-def atomic_dir(final: str, is_main: bool = True, barrier=lambda: None):
-    """Yield a temp dir next to ``final``; on clean exit, (barrier, then) rename it to ``final``.
-
-    If the body raises or the process dies, ``final`` is untouched (a previous version stays valid).
-    """
-    parent, name = os.path.split(final.rstrip("/"))
-    tmp = os.path.join(parent, f".tmp-{name}")
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
-    yield tmp
-    barrier()
-    if is_main:
-        _publish(tmp, final, parent, name)
-    barrier()
-
-
 def replace_dir_contents(src: str, dst: str, last: str | None = None) -> None:
     """Move every file of ``src`` into ``dst`` with atomic per-file renames, ``last`` moved last."""
     os.makedirs(dst, exist_ok=True)

@@ -22,19 +22,6 @@ EXIT_STALE_BUILD_LOCK = 5
 _watch: list = []
 
 
-def extensions_root() -> str:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return root
-    from torch.utils.cpp_extension import get_default_build_root
-    return get_default_build_root()
-
-
-def lock_files(root: str) -> list[str]:
-    """``<root>/<op>/lock`` (TORCH_EXTENSIONS_DIR set) and ``<root>/<py>_<accel>/<op>/lock`` (torch's default)."""
-    return sorted(set(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))))
-
-
 def holders(path: str) -> list[int]:
     """Pids of this host's processes with ``path`` open (from /proc/*/fd; what this user may read)."""
     real, found = os.path.realpath(path), []
@@ -56,11 +43,6 @@ def stale_age(path: str, stale_after: float) -> float | None:
     except OSError:
         return None
     return age if age > stale_after and not holders(path) else None
-
-
-def stale_locks(root: str, stale_after: float) -> list[tuple[str, float]]:
-    """(path, age in seconds) of every stale lock under ``root`` (``stale_age``)."""
-    return [(p, a) for p in lock_files(root) if (a := stale_age(p, stale_after)) is not None]
 
 
 def waited_lock(thread_id: int | None) -> str | None:
@@ -139,5 +121,4 @@ def stop() -> None:
     _watch.clear()
 
 
-__all__ = ["EXIT_STALE_BUILD_LOCK", "watch_op_builds", "stop", "stale_locks", "holders", "lock_files",
-           "waited_lock", "extensions_root"]
+__all__ = ["EXIT_STALE_BUILD_LOCK", "watch_op_builds", "stop", "stale_age", "holders", "waited_lock"]

@@ -1,6 +1,7 @@
 """A CUDA-event timeline of checkpoint offload: layer compute on the main stream, the D2H / H2D copies on the side
 stream, and the main stream's stalls waiting for an H2D copy (an event recorded just before ``wait_event`` and one
-just after: their distance is exactly the time the main stream could not run).
+just after: their distance is exactly the time the main stream could not run). A measuring instrument for
+bench_memory.py --timeline (the library's offload only records into one when given it: ``mgr.timeline``).
 
     mgr = model._easy_context_offload; mgr.timeline = Timeline()
     ... one step ...
