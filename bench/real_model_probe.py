@@ -8,8 +8,8 @@
 (default 64); JSON list of {prompt, answer}, printed too.
 
 ``report``: reads what bench/real_model_gpu.sh left in each run directory (``ppl.csv`` from eval_ppl.py,
-``needle_*.csv`` from eval_needle.py, ``generations.json``, ``model.json``) and writes ``summary.md`` and
-``loss_by_position.png`` into ``--out``. Loss vs position comes from eval_ppl's nested prefixes: with ``--truncate``
+``needle_*.csv`` from eval_needle.py, ``generations.json``, ``model.json``) and writes ``summary.md``,
+``loss_by_position.png`` and ``ppl_by_length.png`` into ``--out``. Loss vs position comes from eval_ppl's nested prefixes: with ``--truncate``
 and every document at least as long as the longest length, the window of length L scores the first L - 1 tokens of
 every document, so the mean NLL of the tokens at positions [L' - 1, L - 1) is
 (ln(ppl_L) (L - 1) - ln(ppl_L') (L' - 1)) / (L - L') (a causal model scores a prefix the same in any window).
@@ -134,7 +134,8 @@ def report(runs: list[tuple[str, str]], out: str) -> str:
                       [[n] + [next((f"{x:.3f}" for a2, b2, x in v if (a2, b2) == s), "") for s in spans]
                        for n, v in buckets.items()]), ""]
         _plot(buckets, os.path.join(out, "loss_by_position.png"))
-        md += ["![loss by position](loss_by_position.png)", ""]
+        _plot_ppl(ppl, os.path.join(out, "ppl_by_length.png"))
+        md += ["![loss by position](loss_by_position.png) ![perplexity by length](ppl_by_length.png)", ""]
     gens = {n: json.load(open(os.path.join(d, "generations.json"))) for n, d in runs
             if os.path.exists(os.path.join(d, "generations.json"))}
     if gens:
@@ -163,6 +164,26 @@ def _plot(buckets, path):
     ax.set_ylabel("mean NLL (nats)")
     ax.set_title("SmolLM2-135M on held-out long documents: loss by position")
     ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_ppl(ppl, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, v in ppl.items():
+        ls = sorted(L for L in v if not math.isnan(v[L]))
+        ax.plot(ls, [v[L] for L in ls], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens (first L of each held-out long document)")
+    ax.set_ylabel("perplexity")
+    ax.set_title("SmolLM2-135M on held-out long documents: perplexity by length")
+    ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
