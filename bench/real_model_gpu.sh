@@ -19,7 +19,9 @@
 # A stage stopped by its time limit (TIME_LIMIT, 480 s here: SIGTERM, checkpoint, and the call still ends within
 # 10 minutes) keeps a checkpoint: `stage N` again resumes it.
 # STEPS1..3 / LR pass to the recipe.
-# Smaller grids (a CPU smoke run of keep/setup/before): NEEDLE_MIN/NEEDLE_MAX/NEEDLE_STEP, DEPTH, PPL_MIN/PPL_MAX;
+# eval_ruler.py: niah_single, niah_multikey, vt at 16K..64K step 16K, 4 samples (RULER=0 skips it).
+# Smaller grids (a CPU smoke run of keep/setup/before): NEEDLE_MIN/NEEDLE_MAX/NEEDLE_STEP, DEPTH, PPL_MIN/PPL_MAX,
+# RULER_MIN/RULER_MAX/RULER_STEP/RULER_SAMPLES;
 # REAL_DIR (default /tmp/real), SITE (where the wheels go, default /tmp/site), OUT (default REAL_DIR/out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +82,15 @@ evals() {  # MODEL NAME NOTE [needle|no-needle]: results in $R/results/NAME (kep
       --max_new_tokens 32 --parallel_mode zigzag_ring_attn --output-dir "$d"
     grep -E "^length |^Average" "$d/needle.log" || true
     echo "== eval_needle $name: $(( $(date +%s) - t0 )) s"
+    if [ "${RULER:-1}" = 1 ]; then  # a RULER subset (its own wording: never trained), prose haystack
+      t0=$(date +%s)
+      logged "$d/ruler.log" python3 eval_ruler.py --model "$m" --tasks niah_single niah_multikey vt \
+        --min_context_length "${RULER_MIN:-16384}" --max_context_length "${RULER_MAX:-65536}" \
+        --context_interval "${RULER_STEP:-16384}" --num_samples "${RULER_SAMPLES:-4}" --haystack_dir "$R/text/haystack" \
+        --chat-template --parallel_mode zigzag_ring_attn --output-dir "$d"
+      grep -A8 -E "^task|^\| task" "$d/ruler.log" | head -12 || true
+      echo "== eval_ruler $name: $(( $(date +%s) - t0 )) s"
+    fi
   fi
   cp -r "$d" "$OUT/"
 }
