@@ -203,6 +203,8 @@ def model_rows(lengths, layers, device, steps, checkpointing, tiny):
         model = build_model(qwen35_config(layers, which == "attention", tiny), device)
         if which == "hybrid":
             slow_decay_(model)
+        else:  # the twin has no recurrent layer, but its config still names a hybrid model type, which the
+            model.config.model_type = "qwen3"  # refusal of unknown recurrent layers reads (recurrent/detect.py)
         apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
         for L in lengths:
             configure_memory(model, checkpointing=checkpointing, tiled_mlp=L >= 262144)
