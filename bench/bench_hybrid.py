@@ -211,7 +211,7 @@ def model_rows(lengths, layers, device, steps, checkpointing, tiny):
             ids = torch.randint(0, model.config.vocab_size, (1, L + 1), device=device)
             pos = torch.arange(L, device=device)[None]
 
-            def step():
+            def step(model=model, ids=ids, pos=pos):
                 causal_lm_loss(model, ids[:, :-1], pos, ids[:, 1:]).backward()
                 for p in model.parameters():
                     p.grad = None

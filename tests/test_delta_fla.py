@@ -22,7 +22,7 @@ import torch
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # fp32 dots in IEEE where fla leaves the choice to Triton
 
 try:
-    import fla  # noqa: F401
+    import fla  # noqa: F401 (only whether it imports)
     HAVE_FLA = True
 except Exception:  # ImportError, or a triton without a driver
     HAVE_FLA = False
@@ -136,9 +136,10 @@ def test_fla_facade_matches_torch_on_varlen_rows():
     beta = torch.rand(N, H, device="cuda", generator=g)
     do = torch.randn(N, H, dv, device="cuda", generator=g)
     h0 = torch.randn(3, H, dk, dv, device="cuda", generator=g)
-    (Rt, Pt), (Rf, Pf) = tk.summarize(k, v, decay, beta, cu, [0, 1, 2]), fk.summarize(k, v, decay, beta, cu, [0, 1, 2])
-    Dt, Df = tk.adjoint(q, k, v, decay, beta, do, cu, [0, 2]), fk.adjoint(q, k, v, decay, beta, do, cu, [0, 2])
-    (ot, ft), (of, ff) = tk.rule(q, k, v, decay, beta, cu, h0), fk.rule(q, k, v, decay, beta, cu, h0)
+    qkv = fk.prepare(q, k, v, decay, beta)  # fla's passes take q, k normalised (by fla's l2norm)
+    (Rt, Pt), (Rf, Pf) = tk.summarize(k, v, decay, beta, cu, [0, 1, 2]), fk.summarize(*qkv[1:], cu, [0, 1, 2])
+    Dt, Df = tk.adjoint(q, k, v, decay, beta, do, cu, [0, 2]), fk.adjoint(*qkv, do, cu, [0, 2])
+    (ot, ft), (of, ff) = tk.rule(q, k, v, decay, beta, cu, h0), fk.rule(*qkv, cu, h0)
     base = max(_rel(of, ot), _rel(ff, ft), 1e-6)  # the kernel pass itself: the bound of the state-only passes
     for name, a, b in [("R", Rf, Rt), ("P", Pf, Pt), ("D", Df, Dt)]:
         for j, (x, y) in enumerate(zip(a, b)):
@@ -178,7 +179,8 @@ def test_bf16_parallel_error_and_no_drift_over_8_pieces(monkeypatch):
     tk, fk = delta_kernels.TorchKernels(mod), delta_kernels.FlaKernels()
     chains = []
     for kern, cast in ((tk, torch.float32), (fk, torch.bfloat16)):
-        R, P = kern.summarize(k.to(cast), v.to(cast), decay, beta.to(cast), cu, list(range(8)))
+        _, kk, vv, gg, bb = kern.prepare(k.to(cast), k.to(cast), v.to(cast), decay, beta.to(cast))
+        R, P = kern.summarize(kk, vv, gg, bb, cu, list(range(8)))
         s, states = torch.zeros_like(R[0]), []
         for r, p in zip(R, P):
             s = r + p @ s

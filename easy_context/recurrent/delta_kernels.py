@@ -5,6 +5,9 @@ Every call takes the rank's tokens flattened into one varlen row, like fla's ``c
 N = tokens, H = value heads, Hk = key heads, dk / dv = key / value head dims, n = sequences):
   q_NHk, k_NHk (N, Hk, dk), v (N, H, dv), g (N, H) log decay, beta (N, H), cu = [0, e_1, ..., N] (python ints).
 
+  prepare(q, k, v, g, beta)             -> the same five as both passes take them (fla: q, k l2-normalised by
+                                           fla's autograd l2norm, all contiguous, so the kernel pass and the adjoint
+                                           keep the very same tensors: nothing saved twice)
   rule(q, k, v, g, beta, cu, h0)        -> o (N, H, dv), final (n, H, dk, dv)   autograd; the normal kernel pass
   summarize(k, v, g, beta, cu, seqs)    -> (R, P) per sequence in ``seqs``     no grad; the state-only pre-pass
   adjoint(q, k, v, g, beta, do, cu, seqs) -> dh0 per sequence in ``seqs``        no grad; its backward twin
@@ -119,6 +122,14 @@ class TorchKernels:
     def __init__(self, module):
         self.ref = inspect.unwrap(module.torch_chunk_gated_delta_rule)
 
+    normalized = False  # True: q, k come l2-normalised (FlaKernels' fallback pre-pass)
+
+    def prepare(self, q, k, v, g, beta):  # the reference normalises q, k itself
+        return q, k, v, g, beta
+
+    def _norm(self, x):
+        return x if self.normalized else _l2norm(x)
+
     def rule(self, q, k, v, g, beta, cu, h0):
         outs, finals = [], []
         for s in range(len(cu) - 1):  # sequence by sequence (equal lengths could batch; CPU / fallback path)
@@ -140,7 +151,7 @@ class TorchKernels:
         H = v.shape[1]
         R, P = [None] * len(seqs), [None] * len(seqs)
         for js, (kk, vv, gg, bb) in self._heads(seqs, cu, H, k, v, g[..., None], beta[..., None]):
-            r, p = torch_summarize(_l2norm(kk), vv, gg[..., 0], bb[..., 0])
+            r, p = torch_summarize(self._norm(kk), vv, gg[..., 0], bb[..., 0])
             for i, j in enumerate(js):
                 R[j], P[j] = r[i * H:(i + 1) * H], p[i * H:(i + 1) * H]
         return R, P
@@ -150,7 +161,7 @@ class TorchKernels:
         H, dk = v.shape[1], k.shape[-1]
         D = [None] * len(seqs)
         for js, (qq, kk, gg, bb, dd) in self._heads(seqs, cu, H, q, k, g[..., None], beta[..., None], do):
-            d = torch_adjoint(_l2norm(qq) * dk ** -0.5, _l2norm(kk), gg[..., 0], bb[..., 0], dd)
+            d = torch_adjoint(self._norm(qq) * dk ** -0.5, self._norm(kk), gg[..., 0], bb[..., 0], dd)
             for i, j in enumerate(js):
                 D[j] = d[i * H:(i + 1) * H]
         return D
@@ -166,8 +177,9 @@ class FlaKernels:
         self.version = getattr(fla, "__version__", "?")
         self.name = f"fla {self.version} chunk kernel"
         self.chunk = chunk_gated_delta_rule
+        from fla.modules.l2norm import l2norm
+        self.l2norm = l2norm
         try:
-            from fla.modules.norm.l2norm import l2norm_fwd
             from fla.ops.common.chunk_o import chunk_bwd_dv_local
             from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
             from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
@@ -175,7 +187,7 @@ class FlaKernels:
             from fla.ops.utils import chunk_local_cumsum
             from fla.ops.utils.constant import RCP_LN2
             from fla.ops.utils.index import prepare_chunk_indices
-            self.cp = dict(l2norm_fwd=l2norm_fwd, dv_local=chunk_bwd_dv_local, bwd_dh=chunk_cp_bwd_dh,
+            self.cp = dict(dv_local=chunk_bwd_dv_local, bwd_dh=chunk_cp_bwd_dh,
                            fwd_h=chunk_cp_fwd_h, intra=chunk_gated_delta_rule_fwd_intra, cumsum=chunk_local_cumsum,
                            rcp_ln2=RCP_LN2, indices=prepare_chunk_indices)
             self.name += " + fla CP state pre-pass"
@@ -183,11 +195,16 @@ class FlaKernels:
             self.cp = None
             self.name += " + torch state pre-pass"
         self.torch = TorchKernels.__new__(TorchKernels)
+        self.torch.normalized = True
 
-    def rule(self, q, k, v, g, beta, cu, h0):
+    def prepare(self, q, k, v, g, beta):
+        return (self.l2norm(q.contiguous()), self.l2norm(k.contiguous()), v.contiguous(), g.contiguous(),
+                beta.contiguous())
+
+    def rule(self, q, k, v, g, beta, cu, h0):  # q, k from prepare: normalised
         cu_t = torch.tensor(cu, dtype=torch.long, device=q.device)
         o, final = self.chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=h0,
-                              output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t,
+                              output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_t,
                               cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long))
         return o[0], final
 
@@ -195,10 +212,12 @@ class FlaKernels:
         c = self.cp
         cu_t = torch.tensor(cu, dtype=torch.long, device=k.device)
         idx = c["indices"](cu_t, CHUNK)
-        kn = c["l2norm_fwd"](k[None])[0]
-        gc = c["cumsum"](g[None].float(), chunk_size=CHUNK, scale=c["rcp_ln2"], cu_seqlens=cu_t, chunk_indices=idx)
-        w, u, _ = c["intra"](k=kn, v=v[None], g=gc, beta=beta[None], cu_seqlens=cu_t, chunk_indices=idx)
-        qn = None if q is None else c["l2norm_fwd"](q[None])[0]
+        kn = k[None]  # normalised by prepare
+        gc = c["cumsum"](g[None].float().contiguous(), chunk_size=CHUNK, scale=c["rcp_ln2"], cu_seqlens=cu_t,
+                         chunk_indices=idx)
+        w, u, _ = c["intra"](k=kn, v=v[None].contiguous(), g=gc, beta=beta[None].contiguous(), cu_seqlens=cu_t,
+                             chunk_indices=idx)
+        qn = None if q is None else q[None]
         return qn, kn, gc, w, u, cu_t, idx
 
     @torch.no_grad()
@@ -222,7 +241,7 @@ class FlaKernels:
         qn, kn, gc, w, _, cu_t, idx = self._wy(q, k, v, g, beta, cu)
         H, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
         scale = dk ** -0.5
-        do = do[None].to(q.dtype)
+        do = do[None].to(q.dtype).contiguous()
         dvl = self.cp["dv_local"](q=qn, k=kn, do=do, g=gc, scale=scale, cu_seqlens=cu_t, chunk_size=CHUNK,
                                   chunk_indices=idx)
         out = []
@@ -254,8 +273,6 @@ def kernels_for(layer, device: torch.device):
                                       "pip install 'easy_context[fla]'") from e
         if kern is None:
             kern = TorchKernels(module)
-        else:
-            kern.torch.ref = inspect.unwrap(module.torch_chunk_gated_delta_rule)
         _CHOSEN[key] = kern
         log.warning("gated DeltaNet: %s", kern.name)
     return _CHOSEN[key]

@@ -65,10 +65,15 @@ def _project(layer, x):
         b, a = layer.in_proj_b(x), layer.in_proj_a(x)
     return mixed.transpose(1, 2), z, b, a
 
+
 def _segments(plan, mine, B, S):
     """The rank's local tokens flattened row-major (row r, local t -> r * S + t), cut at piece edges and document
     starts: sequences [(start, end, piece, row, first)] in token order; ``first``: starts at its piece's first
-    token, no document start there (it runs from the piece's incoming state and window)."""
+    token, no document start there (it runs from the piece's incoming state and window). Cached on the plan: one
+    host copy of the resets per plan, not one per layer."""
+    hit = getattr(plan, "_delta_segments", None)
+    if hit is not None and hit[0] == (tuple(mine), B, S):
+        return hit[1]
     resets = None if plan.resets is None else plan.resets.cpu()
     seqs = []
     for r in range(B):
@@ -79,7 +84,8 @@ def _segments(plan, mine, B, S):
             bounds = sorted({p.offset, *cuts, p.offset + p.length})
             for a, b in zip(bounds, bounds[1:]):
                 seqs.append((r * S + a, r * S + b, i, r, a == p.offset and a not in cuts))
-    return sorted(seqs)
+    plan._delta_segments = ((tuple(mine), B, S), sorted(seqs))
+    return plan._delta_segments[1]
 
 
 def _conv(layer, mixed, windows, seqs):
@@ -162,6 +168,7 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     beta = b.sigmoid().reshape(Bn * S, -1)
     g = (-layer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + layer.dt_bias)).reshape(Bn * S, -1)
     kern = kernels_for(layer, x.device)
+    q, k, v, g, beta = kern.prepare(q, k, v, g, beta)
     H, dk, dv = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     like = (torch.zeros(Bn, H, dk, dv, dtype=torch.float32, device=x.device),
             torch.zeros(Bn, H, dk, dk, dtype=torch.float32, device=x.device))
