@@ -11,7 +11,9 @@ their triangular solve in tf32 on tensor-core GPUs (fla/ops/gated_delta_rule/chu
 is not 1e-5 from the reference even on one process; the parallel path must add nothing to that: its error against
 the torch path on the same pieces is at most FLA_FACTOR x (fla one process vs torch one process) + 1e-5. bf16:
 the same relative bound against the float32 reference, and the composed float32 transition chain must not drift
-over 8 pieces (the state entering piece 8 no worse than FLA_FACTOR x the state entering piece 2)."""
+over 8 pieces (the state entering piece 8 no worse than FLA_FACTOR x the state entering piece 2).
+
+Without a GPU: ``test_fla_prepass_interpreted_on_cpu`` runs fla's CP summary kernels under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import os
@@ -27,8 +29,10 @@ try:
 except Exception:  # ImportError, or a triton without a driver
     HAVE_FLA = False
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_FLA),
-                                                  reason="needs CUDA and flash-linear-attention (.[fla])")]
+GPU = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_FLA),
+                         reason="needs CUDA and flash-linear-attention (.[fla])")
+INTERPRETED = pytest.mark.skipif(not (HAVE_FLA and os.environ.get("TRITON_INTERPRET") == "1"),
+                                 reason="needs fla and TRITON_INTERPRET=1 (a venv with triton + fla-core, CPU)")
 
 FLA_FACTOR = 3.0
 MODES = [("zigzag_ring_attn", {}), ("ulysses_attn", {}), ("dist_flash_attn", {}), ("usp_attn", {"ring_degree": 2})]
@@ -94,6 +98,8 @@ def _packed(L, seed):
     return pos[None]
 
 
+@pytest.mark.gpu
+@GPU
 @pytest.mark.parametrize("W", [2, 4, 8])
 @pytest.mark.parametrize("mode,kw", MODES, ids=[m for m, _ in MODES])
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
@@ -120,6 +126,8 @@ def test_fla_path_equals_torch_path(mode, kw, W, packed, monkeypatch):
             assert err <= bound, f"{mode} W={W} {'packed' if packed else 'plain'} {k} path {name}: {err:.2e} > {bound:.2e}"
 
 
+@pytest.mark.gpu
+@GPU
 def test_fla_facade_matches_torch_on_varlen_rows():
     """summarize / adjoint / rule of the two backends on the same varlen row (3 sequences, multi-chunk)."""
     import transformers.models.qwen3_next.modeling_qwen3_next as mod
@@ -146,6 +154,8 @@ def test_fla_facade_matches_torch_on_varlen_rows():
             assert _rel(x, y) <= FLA_FACTOR * base + 1e-5, f"{name}[{j}]: {_rel(x, y):.2e} (kernel pass {base:.2e})"
 
 
+@pytest.mark.gpu
+@GPU
 def test_bf16_parallel_error_and_no_drift_over_8_pieces(monkeypatch):
     """bf16 layer, zigzag W = 4 (8 pieces) at 8192 tokens: the parallel path's error against the float32 torch
     reference is within FLA_FACTOR x fla's own one-process error (and < 2e-2); the float32 state chain composed
@@ -188,3 +198,35 @@ def test_bf16_parallel_error_and_no_drift_over_8_pieces(monkeypatch):
         chains.append(states)
     errs = [_rel(b, a) for a, b in zip(*chains)]
     assert max(errs) < 2e-2 and errs[-1] <= FLA_FACTOR * max(errs[:2]) + 1e-3, f"state chain drift: {errs}"
+
+
+@INTERPRETED
+def test_fla_prepass_interpreted_on_cpu(monkeypatch):
+    """fla's CP summary kernels (the pre-pass and the adjoint of FlaKernels) under Triton's CPU interpreter equal the
+    torch pre-pass: (R, P) and D of multi-chunk varlen sequences. fla's chunk kernel pass itself does not run in the
+    interpreter (fla 0.6 / triton 3.9: "'int' object has no attribute 'to'" in chunk_gated_delta_rule_fwd_h), and
+    its CP kernels refuse a non-CUDA device (patched out here). Run:
+        TRITON_INTERPRET=1 python -m pytest tests/test_delta_fla.py -k interpreted    # venv with triton + fla-core
+    """
+    import fla.ops.cp.chunk_bwd as cb
+    import fla.ops.cp.chunk_fwd as cf
+    import transformers.models.qwen3_next.modeling_qwen3_next as mod
+    import triton.runtime.autotuner as at
+
+    from easy_context.recurrent.delta_kernels import FlaKernels, TorchKernels
+    monkeypatch.setattr(at.Autotuner, "_bench", lambda self, *a, config, **kw: [0.0, 0.0, 0.0])  # no GPU to time
+    monkeypatch.setattr(cf, "_check_cp_device", lambda device: None)
+    monkeypatch.setattr(cb, "_check_cp_device", lambda device: None)
+    g = torch.Generator().manual_seed(0)
+    cu, H, Hk, dk, dv = [0, 70, 71, 200], 2, 1, 16, 16
+    N = cu[-1]
+    q, k = torch.randn(N, Hk, dk, generator=g), torch.randn(N, Hk, dk, generator=g)
+    v, do = torch.randn(N, H, dv, generator=g), torch.randn(N, H, dv, generator=g)
+    decay, beta = -0.2 * torch.rand(N, H, generator=g), torch.rand(N, H, generator=g)
+    tk, fk = TorchKernels(mod), FlaKernels()
+    qkv = fk.prepare(q, k, v, decay, beta)
+    (Rt, Pt), (Rf, Pf) = tk.summarize(k, v, decay, beta, cu, [0, 2]), fk.summarize(*qkv[1:], cu, [0, 2])
+    Dt, Df = tk.adjoint(q, k, v, decay, beta, do, cu, [0, 2]), fk.adjoint(*qkv, do, cu, [0, 2])
+    for name, a, b in [("R", Rf, Rt), ("P", Pf, Pt), ("D", Df, Dt)]:
+        for j, (x, y) in enumerate(zip(a, b)):
+            assert _rel(x, y) <= 1e-5, f"{name}[{j}]: {_rel(x, y):.2e}"

@@ -177,7 +177,7 @@ class FlaKernels:
         self.version = getattr(fla, "__version__", "?")
         self.name = f"fla {self.version} chunk kernel"
         self.chunk = chunk_gated_delta_rule
-        from fla.modules.l2norm import l2norm
+        from fla.modules.norm.l2norm import l2norm
         self.l2norm = l2norm
         try:
             from fla.ops.common.chunk_o import chunk_bwd_dv_local
@@ -211,7 +211,7 @@ class FlaKernels:
     def _wy(self, q, k, v, g, beta, cu):
         c = self.cp
         cu_t = torch.tensor(cu, dtype=torch.long, device=k.device)
-        idx = c["indices"](cu_t, CHUNK)
+        idx = c["indices"](cu_t, CHUNK, cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long))
         kn = k[None]  # normalised by prepare
         gc = c["cumsum"](g[None].float().contiguous(), chunk_size=CHUNK, scale=c["rcp_ln2"], cu_seqlens=cu_t,
                          chunk_indices=idx)
@@ -267,10 +267,12 @@ def kernels_for(layer, device: torch.device):
         if force == "fla" or (force != "torch" and device.type == "cuda"):
             try:
                 kern = FlaKernels()
-            except ImportError as e:
+            except Exception as e:  # not installed, or its Triton does not start here
                 if force == "fla":
                     raise ImportError(f"{KERNEL_ENV}=fla but flash-linear-attention does not import ({e}): "
                                       "pip install 'easy_context[fla]'") from e
+                if not isinstance(e, ImportError):
+                    log.warning("gated DeltaNet: flash-linear-attention failed to load (%s)", e)
         if kern is None:
             kern = TorchKernels(module)
         _CHOSEN[key] = kern
