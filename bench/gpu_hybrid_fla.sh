@@ -7,7 +7,8 @@
 #   bash bench/gpu_hybrid_fla.sh test     # tests/test_delta_fla.py (fla vs torch, W = 2/4/8, bf16 drift) + CPU tests
 #   bash bench/gpu_hybrid_fla.sh layer    # bench_hybrid one layer (Qwen3-Next shape) at 32K and 128K: new vs old path
 #   bash bench/gpu_hybrid_fla.sh model [L...]  # bench_hybrid --model: Qwen3.5-9B-width stack vs attention twin
-#                                         # (default L = 32768 131072 524288), then the 9B-width GDN layer at W = 8
+#                                         # (default L = 32768 131072), then the 9B-width GDN layer at W = 8, 128K
+#   bash bench/gpu_hybrid_fla.sh model512 # the same stack pair at 512K, one timed step each (twin ~80 s a step)
 # Logs go to $OUT (the device call's output folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +39,11 @@ case "${1:-}" in
   model)
     shift
     install
-    timeout 560 python3 bench/bench_hybrid.py --model --lengths ${@:-32768 131072 524288} --worlds 8 \
-      --length 131072 --no-chain --iters 2 2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_model.log" | tail -16 || true ;;
-  *) echo "usage: $0 wheels|test|layer|model [L...]" >&2; exit 2 ;;
+    timeout 560 python3 bench/bench_hybrid.py --model --lengths ${@:-32768 131072} --worlds 8 --length 131072 \
+      --no-chain --iters 2 2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_model.log" | tail -16 || true ;;
+  model512)
+    install
+    timeout 560 python3 bench/bench_hybrid.py --model --lengths 524288 --steps 1 --no-layer 2>&1 | grep -v Warn \
+      | tee "$OUT/hybrid_fla_model512.log" | tail -8 || true ;;
+  *) echo "usage: $0 wheels|test|layer|model [L...]|model512" >&2; exit 2 ;;
 esac
