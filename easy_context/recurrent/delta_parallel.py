@@ -1,26 +1,31 @@
 """Gated DeltaNet (qwen3_next, qwen3_5) under sequence parallelism without the serial chain: every rank runs its
-pieces at once, then corrects them with the true incoming state.
+pieces at once, each from its true incoming state.
 
 The rule (transformers' torch_recurrent_gated_delta_rule; state S (d_k x d_v) per value head, queries scaled by
 d_k^-1/2 inside the rule):  S_t = (I - b_t k_t k_tᵀ) g_t S_{t-1} + b_t k_t v_tᵀ,  o_t = q_tᵀ S_t.
-It is affine in the incoming state S_0, and every column of S evolves on its own. So one call of the layer's own
-chunk rule with values [v | 0] (d_v + d_k columns) and initial state [0 | I] gives, per piece,
-
-    o_t = o0_t + e_t S_0        (o0: the run from zero; e_t = q_tᵀ M_t, the identity columns' outputs)
-    S_end = R + P S_0           (R: final state from zero; P = M_end, the identity columns' final state)
+It is affine in the incoming state: a piece maps S_in to S_out = P S_in + R. Per layer:
 
 1. Conv window: the in_proj of every local token runs once; each piece publishes its last K-1 conv inputs
-   (exchange.conv_tail) and every rank composes its pieces' windows (the conv then equals the layer's).
-2. Each piece runs the rule as above (from its first document start on, state and window start from zero: there
-   e = 0 and P = 0) and publishes (R, P): per row H x d_k x (d_v + d_k) floats, independent of the length.
-3. Every rank composes S_{i+1} = P_i S_i + R_i over all pieces in sequence order, adds e S_i to o0, then the
-   layer's own norm (gated by z) and out_proj run once on all local tokens.
+   (exchange.conv_tail) and every rank composes its pieces' windows; the conv runs once over all local sequences.
+2. State-only pre-pass (delta_kernels.summarize, no outputs, no autograd): each piece's (R, P) in float32, P = 0 in
+   a row holding a document start (the state after it does not depend on S_in). Published to every rank:
+   per row H x d_k x (d_v + d_k) floats, independent of the length.
+3. Every rank composes S_{i+1} = P_i S_i + R_i over all pieces in sequence order, then runs ONE normal kernel pass
+   over all its pieces (varlen: sequences cut at piece edges and document starts), each piece from its S_in; then
+   the layer's own norm (gated by z) and out_proj once on all local tokens.
 
-Cost per rank: the chunk rule on d_v + d_k value columns instead of d_v (its inter-chunk scan and value solve
-about double; in_proj, conv, norm, out_proj unchanged) plus two small exchanges per layer, forward and backward.
-Plain autograd gives the gradients (exchange.publish sends those of others' pieces back to their owners).
-The rule is called in float32 (the torch rule computes in float32 anyway; e and o0 are then added before the one
-rounding to the layer dtype, as the layer rounds q·S once).
+Backward (exact, no serial order; the design of fla's context parallelism, fla/ops/cp/): the loss depends on a
+piece's tokens through its outputs and through S_out, so the kernel pass's own backward gives every gradient once it
+is handed d(S_out). That is d(S_in) of the next piece, which is affine too: d(S_in_i) = D_i + P_iᵀ d(S_in_{i+1}),
+D_i = the gradient of piece i's own outputs w.r.t. its incoming state (delta_kernels.adjoint, state only). So
+``_Adjoint`` (between the kernel pass and the norm) takes d(output), computes every local D_i, publishes them,
+composes the d(S_in) in reverse order and hands each piece's final state its d(S_out); the incoming states are
+constants of the kernel pass. Nothing but (R, P), the incoming states and D_i is kept beyond the layer's own
+tensors.
+
+Cost per rank: the layer's own kernel pass plus the two state-only passes (forward and backward) and two small
+exchanges per layer, forward and backward. The kernels sit behind delta_kernels.kernels_for (fla on CUDA where
+installed, else the model file's torch reference, chosen and logged once).
 """
 from __future__ import annotations
 
@@ -61,61 +66,79 @@ def _project(layer, x):
     return mixed.transpose(1, 2), z, b, a
 
 
-def _rule(layer, mixed, window, b, a, augmented: bool):
-    """Conv (with ``window``, the K-1 inputs before) and the chunk rule on one document-free run, from a zero
-    state. Returns o0 (B, T, H, d_v) float32, final R (B, H, d_k, d_v) and, when ``augmented``, e (B, T, H, d_k)
-    and P (B, H, d_k, d_k)."""
+def _segments(plan, mine, B, S):
+    """The rank's local tokens flattened row-major (row r, local t -> r * S + t), cut at piece edges and document
+    starts: sequences [(start, end, piece, row, first)] in token order; ``first``: starts at its piece's first
+    token, no document start there (it runs from the piece's incoming state and window). Cached on the plan: one
+    host copy of the resets per plan, not one per layer."""
+    hit = getattr(plan, "_delta_segments", None)
+    if hit is not None and hit[0] == (tuple(mine), B, S):
+        return hit[1]
+    resets = None if plan.resets is None else plan.resets.cpu()
+    seqs = []
+    for r in range(B):
+        for i in mine:
+            p = plan.pieces[i]
+            cuts = [] if resets is None else (resets[r, p.offset:p.offset + p.length].nonzero().flatten() + p.offset
+                                              ).tolist()
+            bounds = sorted({p.offset, *cuts, p.offset + p.length})
+            for a, b in zip(bounds, bounds[1:]):
+                seqs.append((r * S + a, r * S + b, i, r, a == p.offset and a not in cuts))
+    plan._delta_segments = ((tuple(mine), B, S), sorted(seqs))
+    return plan._delta_segments[1]
+
+
+def _conv(layer, mixed, windows, seqs):
+    """The depthwise causal conv of every sequence after its window (the piece's composed window for a ``first``
+    sequence, zeros after a document start), in one call over [w_0, x_0, w_1, x_1, ...]; (N, C) -> q, k, v."""
     mod = sys.modules[type(layer).__module__]
-    K = window.shape[-1] + 1
-    conv = mod.causal_conv1d_fn(torch.cat([window.to(mixed.dtype), mixed], dim=-1), layer.conv1d.weight.squeeze(1),
-                                layer.conv1d.bias, activation=layer.activation)[..., K - 1:]
-    Bn, T = mixed.shape[0], mixed.shape[-1]
-    q, k, v = conv.transpose(1, 2).split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    q, k = (t.reshape(Bn, T, -1, layer.head_k_dim).float() for t in (q, k))
-    v = v.reshape(Bn, T, -1, layer.head_v_dim).float()
-    beta = b.sigmoid()
-    g = -layer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + layer.dt_bias)
-    H, dk, dv = v.shape[2], layer.head_k_dim, layer.head_v_dim
-    init = None
-    if augmented:
-        v = torch.cat([v, v.new_zeros(Bn, T, H, dk)], dim=-1)
-        eye = torch.eye(dk, dtype=v.dtype, device=v.device).expand(Bn, H, dk, dk)
-        init = torch.cat([v.new_zeros(Bn, H, dk, dv), eye], dim=-1)
-    out, final = mod.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=init,
-                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
-    if not augmented:
-        return out.float(), final.float(), None, None
-    return out[..., :dv].float(), final[..., :dv].float(), out[..., dv:].float(), final[..., dv:].float()
+    K1 = layer.conv_kernel_size - 1
+    parts, keep, at = [], [], 0
+    for a, b, i, r, first in seqs:
+        w = windows[i][r] if first else torch.zeros_like(windows[i][r])
+        parts += [w.to(mixed.dtype), mixed[:, a:b]]
+        keep.append(torch.arange(at + K1, at + K1 + b - a))
+        at += K1 + b - a
+    conv = mod.causal_conv1d_fn(torch.cat(parts, -1)[None], layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
+                                activation=layer.activation)[0]
+    conv = conv[:, torch.cat(keep).to(conv.device)].transpose(0, 1)
+    q, k, v = conv.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    return (q.reshape(q.shape[0], -1, layer.head_k_dim), k.reshape(k.shape[0], -1, layer.head_k_dim),
+            v.reshape(v.shape[0], -1, layer.head_v_dim))
 
 
-def _piece(layer, mixed, window, b, a, resets):
-    """One piece: (o0, e, R, P); e covers the piece's first tokens up to its first document start (zero beyond a
-    row's own start); P = 0 in a row holding a start. Rows with different starts run one by one."""
-    if resets is not None and bool(resets.any()) and not bool((resets == resets[:1]).all()):
-        rows = [_piece(layer, mixed[r:r + 1], window[r:r + 1], b[r:r + 1], a[r:r + 1], resets[r:r + 1])
-                for r in range(mixed.shape[0])]
-        n = max(r[1].shape[1] for r in rows)  # e up to each row's own first start, zero after it
-        pad = torch.nn.functional.pad
-        return (torch.cat([r[0] for r in rows]), torch.cat([pad(r[1], (0, 0, 0, 0, 0, n - r[1].shape[1]))
-                                                            for r in rows]),
-                torch.cat([r[2] for r in rows]), torch.cat([r[3] for r in rows]))
-    cuts = [] if resets is None else resets[0].nonzero().flatten().tolist()
-    T = mixed.shape[-1]
-    first = cuts[0] if cuts else T
-    if first > 0:
-        o0, R, e, P = _rule(layer, mixed[..., :first], window, b[:, :first], a[:, :first], True)
-    else:
-        o0, R, e, P = None, None, None, None
-    outs = [] if o0 is None else [o0]
-    for s, t in zip(cuts, cuts[1:] + [T]):  # after a start: zero window, zero state; independent of S_0
-        o, R, _, _ = _rule(layer, mixed[..., s:t], torch.zeros_like(window), b[:, s:t], a[:, s:t], False)
-        outs.append(o)
-    Bn, H, dk = mixed.shape[0], layer.num_v_heads, layer.head_k_dim
-    if e is None:
-        e = outs[0].new_zeros(Bn, 0, H, dk)
-    if cuts:
-        P = outs[0].new_zeros(Bn, H, dk, dk)
-    return torch.cat(outs, dim=1), e, R, P
+class _Adjoint(torch.autograd.Function):
+    """``core`` unchanged; backward hands the kernel pass d(final state) of every piece (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, info, core, finals, *qkvgb):
+        ctx.info = info
+        ctx.save_for_backward(*qkvgb)
+        return core.view_as(core)
+
+    @staticmethod
+    def backward(ctx, d_core):
+        plan, kern, cu, seqs, P, like, B = ctx.info
+        q, k, v, g, beta = ctx.saved_tensors
+        mine = sorted({s[2] for s in seqs})
+        firsts = [j for j, s in enumerate(seqs) if s[4]]
+        D = {i: like.new_zeros(like.shape) for i in mine}
+        for j, d in zip(firsts, kern.adjoint(q, k, v, g, beta, d_core, cu, firsts) if firsts else []):
+            D[seqs[j][2]][seqs[j][3]] = d
+        D = publish(plan, (like,), {i: (D[i],) for i in mine})
+        d_out, nxt = {}, torch.zeros_like(like)
+        for i in range(len(plan.pieces) - 1, -1, -1):  # d(S_in_i) = D_i + P_iᵀ d(S_in_{i+1}), in reverse order
+            d_out[i] = nxt
+            nxt = D[i][0] + P[i].transpose(-1, -2) @ nxt
+        d_finals = like.new_zeros(len(seqs), *like.shape[1:])
+        for (i, r), j in _last(seqs).items():
+            d_finals[j] = d_out[i][r]
+        return None, d_core, d_finals, None, None, None, None, None
+
+
+def _last(seqs):
+    """{(piece, row): index of its last sequence}: the one whose final state is the piece's S_out."""
+    return {(s[2], s[3]): j for j, s in enumerate(seqs)}
 
 
 def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
@@ -123,42 +146,55 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     runs the serial chain) when ``serial_requested`` or the installed layer is not the one written for."""
     if serial_requested(layer) or not supports(layer):
         return None
+    from .delta_kernels import kernels_for
     pieces, me = plan.pieces, plan.me
     mine = [i for i, p in enumerate(pieces) if p.owner == me]
+    Bn, S = x.shape[:2]
     K = layer.conv_kernel_size
     mixed, z, b, a = _project(layer, x)  # once for all local tokens: one call per submodule
 
-    def local(i, t, dim):
-        p = pieces[i]
-        return t.narrow(dim, p.offset, p.length)
-
     def resets(i):
-        return None if plan.resets is None else local(i, plan.resets, 1)
+        p = pieces[i]
+        return None if plan.resets is None else plan.resets[:, p.offset:p.offset + p.length]
 
-    tails = publish(plan, (torch.empty(x.shape[0], mixed.shape[1], K - 1, dtype=mixed.dtype, device=x.device),
-                           torch.empty(x.shape[0], dtype=torch.float32, device=x.device)),
-                    {i: conv_tail(local(i, mixed, 2), resets(i), K - 1) for i in mine})
+    tails = publish(plan, (torch.empty(Bn, mixed.shape[1], K - 1, dtype=mixed.dtype, device=x.device),
+                           torch.empty(Bn, dtype=torch.float32, device=x.device)),
+                    {i: conv_tail(mixed.narrow(2, pieces[i].offset, pieces[i].length), resets(i), K - 1)
+                     for i in mine})
     windows = compose_windows(plan, tails, K - 1)
-    runs = {i: _piece(layer, local(i, mixed, 2), windows[i], local(i, b, 1), local(i, a, 1), resets(i))
-            for i in mine}
-    Bn, H, dk, dv = x.shape[0], layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
-    like = (torch.empty(Bn, H, dk, dv, dtype=torch.float32, device=x.device),
-            torch.empty(Bn, H, dk, dk, dtype=torch.float32, device=x.device))
-    summary = publish(plan, like, {i: runs[i][2:] for i in mine})
-    state, starts = torch.zeros_like(like[0]), []
-    for i in range(len(pieces)):  # the state entering every piece, in sequence order
-        starts.append(state)
-        R, P = summary[i]
-        state = R + P @ state
-    cores = []
-    for i in sorted(mine, key=lambda j: pieces[j].offset):
-        o0, e, _, _ = runs[i]
-        n = e.shape[1]
-        fix = torch.einsum("bthk,bhkv->bthv", e, starts[i])
-        cores.append(torch.cat([o0[:, :n] + fix, o0[:, n:]], dim=1).to(x.dtype))
-    core = torch.cat(cores, dim=1)
-    out = layer.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(Bn, x.shape[1], -1)
-    return anchor(layer.out_proj(out), plan, tails, summary)
+    seqs = _segments(plan, mine, Bn, S)
+    cu = [s[0] for s in seqs] + [Bn * S]
+    q, k, v = _conv(layer, mixed.transpose(0, 1).reshape(mixed.shape[1], Bn * S), windows, seqs)
+    beta = b.sigmoid().reshape(Bn * S, -1)
+    g = (-layer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + layer.dt_bias)).reshape(Bn * S, -1)
+    kern = kernels_for(layer, x.device)
+    q, k, v, g, beta = kern.prepare(q, k, v, g, beta)
+    H, dk, dv = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    like = (torch.zeros(Bn, H, dk, dv, dtype=torch.float32, device=x.device),
+            torch.zeros(Bn, H, dk, dk, dtype=torch.float32, device=x.device))
+    last = _last(seqs)
+    with torch.no_grad():  # 2. the state-only pre-pass: (R, P) of every piece of mine
+        order = sorted(last.items())
+        R, P = kern.summarize(k, v, g, beta, cu, [j for _, j in order])
+        local = {i: tuple(t.clone() for t in like) for i in mine}
+        for ((i, r), j), Rj, Pj in zip(order, R, P):
+            local[i][0][r] = Rj
+            if not (plan.resets is not None and bool(resets(i)[r].any())):
+                local[i][1][r] = Pj
+        summary = publish(plan, like, local)
+        state, starts = like[0], []
+        for i in range(len(pieces)):  # 3. the state entering every piece, in sequence order
+            starts.append(state)
+            state = summary[i][0] + summary[i][1] @ state
+        h0 = like[0].new_zeros(len(seqs), H, dk, dv)
+        for j, s in enumerate(seqs):
+            if s[4]:
+                h0[j] = starts[s[2]][s[3]]
+    core, finals = kern.rule(q, k, v, g, beta, cu, h0)
+    info = (plan, kern, cu, seqs, {i: summary[i][1] for i in range(len(pieces))}, like[0], Bn)
+    core = _Adjoint.apply(info, core, finals, *(t.detach() for t in (q, k, v, g, beta)))
+    out = layer.norm(core.reshape(-1, dv).to(x.dtype), z.reshape(-1, dv)).reshape(Bn, S, -1)
+    return anchor(layer.out_proj(out), plan, tails)
 
 
 __all__ = ["run_plan", "supports"]
