@@ -1,7 +1,8 @@
-"""DeepSpeed ZeRO-3 (every parameter partitioned) with the parallel recurrent paths (issue #30): gated DeltaNet
-(qwen3_next), the short conv (lfm2) and Mamba-2 (nemotron_h) under zigzag at W = 2 on packed rows whose document
-starts differ between the ranks (and so do the ranks' pieces), with and without layer checkpointing: loss and
-every full gradient equal one process (each document alone) within 1e-5 (fp32); dropping the exchange fails.
+"""DeepSpeed ZeRO-3 (every parameter partitioned) with the recurrent layers under SP: gated DeltaNet (qwen3_next),
+the short conv (lfm2) and Mamba-2 (nemotron_h) under zigzag at W = 2 on packed rows whose document starts differ
+between the ranks (and so do the ranks' pieces), with and without layer checkpointing, through the parallel paths
+(issue #30) and through the serial chain (``EASY_CONTEXT_RECURRENT_SERIAL=1``, issue #49): loss and every full
+gradient equal one process (each document alone) within 1e-5 (fp32); dropping the exchange fails.
 DeepSpeed on CPU over gloo (first run JIT-builds ~20 s)."""
 from __future__ import annotations
 
@@ -23,10 +24,17 @@ def _starts_per_rank(pos, rank, world_size):
     return int((local == 0).sum())
 
 
-def _count_parallel_runs():
-    """Count the layers a parallel path ran (the serial chain refuses ZeRO-3, so none may fall back to it)."""
-    from easy_context.recurrent import conv_parallel, delta_parallel, mamba2_parallel
+def _count_runs(route):
+    """Count the layers the route ran ("parallel": a parallel path; "serial": the chain) and this rank's pieces."""
+    from easy_context.recurrent import chain, conv_parallel, delta_parallel, mamba2_parallel
     runs = {"n": 0, "pieces": set()}
+    if route == "serial":
+        def chained(plan, *a, _run=chain.chain_forward, **kw):
+            runs["n"] += 1
+            runs["pieces"].add(sum(p.owner == plan.me for p in plan.pieces))
+            return _run(plan, *a, **kw)
+        chain.chain_forward = chained
+        return runs
     for mod in (conv_parallel, delta_parallel, mamba2_parallel):
         def counted(*a, _run=mod.run_plan):
             out = _run(*a)
@@ -38,8 +46,9 @@ def _count_parallel_runs():
     return runs
 
 
-def _step(rank, world_size, family, ref, ids, pos, tgt, checkpointing="none"):
-    """(loss summed over ranks, {name: full gradient}) of one ZeRO-3 step of the patched copy of ``ref``."""
+def _step(rank, world_size, family, ref, ids, pos, tgt, checkpointing="none", steps=1):
+    """(loss summed over ranks, {name: full gradient}) of a ZeRO-3 step of the patched copy of ``ref``: the last of
+    ``steps`` (lr 0: every step computes the same; from the second on, DeepSpeed prefetches by its recorded trace)."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
@@ -53,8 +62,11 @@ def _step(rank, world_size, family, ref, ids, pos, tgt, checkpointing="none"):
                                       config=DS_CFG)
     assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in engine.module.parameters()), "not partitioned"
     p = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, pos, tgt, rank, world_size, torch.device("cpu"))
-    loss = causal_lm_loss(engine.module, p["local_input_ids"], p["local_position_ids"], p["local_target_ids"])
-    engine.backward(loss * world_size)  # ZeRO averages gradients over its (here: the sp) ranks
+    for step in range(steps):
+        if step:
+            engine.step()
+        loss = causal_lm_loss(engine.module, p["local_input_ids"], p["local_position_ids"], p["local_target_ids"])
+        engine.backward(loss * world_size)  # ZeRO averages gradients over its (here: the sp) ranks
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = {name: safe_get_full_grad(prm) for name, prm in engine.module.named_parameters()}
@@ -62,9 +74,12 @@ def _step(rank, world_size, family, ref, ids, pos, tgt, checkpointing="none"):
     return total, grads
 
 
-def _body(rank, world_size):
+def _body(rank, world_size, route="parallel"):
     import os
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if route == "serial":
+        from easy_context.recurrent.exchange import SERIAL_ENV
+        os.environ[SERIAL_ENV] = "1"
     import torch.distributed as dist
 
     from easy_context.recurrent.chain import DROP_STATE_ENV
@@ -72,7 +87,7 @@ def _body(rank, world_size):
     from tests.hybrid_models import build_hybrid
     from tests.model_equiv import make_batch, per_document_reference
     from tests.tols import assert_close
-    runs = _count_parallel_runs()
+    runs = _count_runs(route)
     pos = packed_positions(2, 32, seed=3)
     starts = [_starts_per_rank(pos, r, world_size) for r in range(world_size)]
     assert len(set(starts)) > 1, f"the ranks hold the same number of document starts: {starts}"
@@ -81,9 +96,11 @@ def _body(rank, world_size):
         ids, _, tgt = make_batch(2, 32, ref.config.vocab_size, seed=5)
         _, ref_loss, ref_grads = per_document_reference(copy.deepcopy(ref), ids, pos, tgt)
         for ck in ("none", "layer"):  # "layer": the recompute in backward runs the exchanges again
-            n, tag = runs["n"], f"[zero3 {family} checkpointing={ck}]"
-            loss, grads = _step(rank, world_size, family, ref, ids, pos, tgt, ck)
-            assert runs["n"] > n, f"{tag} no parallel recurrent path ran"
+            n, tag = runs["n"], f"[zero3 {route} {family} checkpointing={ck}]"
+            # the serial chain keeps its submodule calls out of DeepSpeed's trace: a second step (prefetching by the
+            # trace of the first) must pair up too
+            loss, grads = _step(rank, world_size, family, ref, ids, pos, tgt, ck, steps=2 if route == "serial" else 1)
+            assert runs["n"] > n, f"{tag} the {route} route never ran"
             assert_close(loss, ref_loss, REL, f"{tag} loss")
             for name, g in grads.items():
                 assert g is not None, f"{tag} no grad for {name}"
@@ -94,7 +111,7 @@ def _body(rank, world_size):
         finally:
             os.environ.pop(DROP_STATE_ENV)
         off = [n for n, g in grads.items() if (g - ref_grads[n]).norm() > REL * ref_grads[n].norm()]
-        assert off, f"{family}: dropping the recurrent exchange went unnoticed under ZeRO-3"
+        assert off, f"{route} {family}: dropping the recurrent exchange went unnoticed under ZeRO-3"
     counts = [None] * world_size
     dist.all_gather_object(counts, sorted(runs["pieces"]))
     assert counts[0] != counts[1], f"every rank held the same number of pieces: {counts}"
@@ -104,3 +121,10 @@ def _body(rank, world_size):
 def test_parallel_recurrent_paths_under_zero3_w2():
     from tests.harness import run_ranks
     run_ranks(_body, world_size=2, timeout=600)
+
+
+@pytest.mark.slow
+def test_serial_chain_under_zero3_w2():
+    """The serial chain gathers each recurrent layer once per forward / backward chain (recurrent/zero3.py)."""
+    from tests.harness import run_ranks
+    run_ranks(_body, world_size=2, args=("serial",), timeout=600)

@@ -80,8 +80,10 @@ def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
         "zero3-offload": (live_zero3, 0),
     }[opt.zero]
     out = attn_output_bytes(shape, T)
-    kept_pl = {"layer": 2 * d * T, "selective": 2 * d * T + out, "offload": 0}[opt.checkpointing]
+    kept_pl = {"layer": 2 * d * T, "selective": 2 * d * T, "offload": 0}[opt.checkpointing]
     kept = shape.layers * kept_pl + (k - 1) * 2 * d * T
+    if opt.checkpointing == "selective":  # the softmax layers keep their attention output (recurrent ones do not)
+        kept += shape.n_attn * out
     if opt.checkpointing == "offload":  # layers keeping their attention output + LSE (memory/auto.py)
         kept += opt.selective_layers * out
     if k > 1 and mode_of(opt).supports_attention_cache:  # a nested group's rebuilt attention outputs (+ LSE), kept
@@ -89,10 +91,20 @@ def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
     if opt.checkpointing == "offload" and k > 1:  # calibrated beyond the nested terms at k >= 2 (its source)
         kept += C("offload_nested_extra_bytes_per_token_dim") * d * T
     kv_eff = kv_width(shape, opt, sp)
-    ws_attn = attn_working_set(shape, opt.kernel, opt.checkpointing, T, opt.head_chunks)
+    ws_attn = attn_working_set(shape, opt.kernel, opt.checkpointing, T, opt.head_chunks) if shape.n_attn else 0.0
     mlp_tokens = min(T, d) if opt.tiled_mlp else T
-    ws_mlp = C("mlp_ws_factor") * 2 * shape.mlp_width_active() * mlp_tokens
+    ws_mlp = C("mlp_ws_factor") * 2 * shape.mlp_width_active() * mlp_tokens if shape.n_mlp else 0.0
     ws_loss = 0.0 if opt.chunked_loss else C("loss_ws_bytes_per_vocab") * shape.vocab * T
-    ring_buf = C("ring_buffer_bytes_per_kv") * kv_eff * T if sp > 1 else 0.0
-    ws = max(ws_attn, ws_mlp)
+    ring_buf = C("ring_buffer_bytes_per_kv") * kv_eff * T if sp > 1 and shape.n_attn else 0.0
+    ws = max(ws_attn, ws_mlp, recurrent_working_set(shape, opt, T, env.batch))
     return static + max(kept + max(ws, ws_loss), grads + ws) + ring_buf + C("fixed_gpu_gib") * GiB
+
+
+def recurrent_working_set(shape: Shape, opt: Option, T: float, batch: int) -> float:
+    """Bytes of the largest recurrent layer's backward at T local tokens (cost_model/hybrid.py's per-token formula
+    x recurrent_ws_factor), plus every piece's exchanged summary held on every rank (sp > 1)."""
+    if not shape.recurrent:
+        return 0.0
+    pieces = (2 if mode_of(opt).packed_pairs else 1) * opt.sp if opt.sp > 1 else 0
+    return max(C("recurrent_ws_factor") * r.working_set_per_token(shape.hidden) * T
+               + pieces * batch * sum(r.piece_bytes()) for r in shape.recurrent)

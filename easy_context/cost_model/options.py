@@ -23,6 +23,7 @@ class Option:
     fused_ops: bool = True             # train.py default; False = HF eager norms/RoPE (bench baseline)
     head_chunks: int = 1               # attention blocks in head groups (memory/head_chunks.py)
     selective_layers: int = 0          # offload: layers keeping their attention output (train.py --checkpointing auto)
+    linear_kernel: str = "fla"         # hybrids: gated DeltaNet's chunk rule, "fla" or "torch" (the model file's)
 
 
 @dataclass

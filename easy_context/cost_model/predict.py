@@ -6,7 +6,7 @@ from .constants import GiB, C, gpu_constants
 from .memory import gpu_memory, host_memory
 from .options import Env, Option, mode_of
 from .shape import Shape, model_flops_per_token
-from .step_time import compute_time, sp_comm_time, zero_time
+from .step_time import compute_time, recurrent_comm_time, recurrent_exchange, sp_comm_time, zero_time
 
 
 def predict(shape: Shape, opt: Option, env: Env) -> dict:
@@ -25,8 +25,9 @@ def predict(shape: Shape, opt: Option, env: Env) -> dict:
     gpu_peak = gpu_memory(shape, opt, env, T, k)
     t_compute, t_attn, t_attn_f = compute_time(shape, opt, env, g, kernel, T, k)
     t_sp = sp_comm_time(shape, opt, env, g, T, t_attn, t_attn_f)
+    t_rec = recurrent_comm_time(shape, opt, env, g)  # hybrids: the recurrent layers' state exchange
     exposed, t_opt = zero_time(shape, opt, env, g, t_compute)
-    t_micro = t_compute + t_sp + exposed
+    t_micro = t_compute + t_sp + t_rec + exposed
     ga = env.grad_accum if not opt.zero.startswith("bare") else 1
     step = ga * t_micro + t_opt
     tokens = ga * B * L * opt.dp
@@ -47,4 +48,8 @@ def predict(shape: Shape, opt: Option, env: Env) -> dict:
                 host_peak_gib_per_node=round(host_peak / GiB, 1), step_s=round(step, 3), tokens_per_s=round(tok_s, 1),
                 mfu=round(mfu, 4), fits=not reasons, why_not="; ".join(reasons),
                 breakdown_s=dict(compute=round(ga * t_compute, 3), sp_comm=round(ga * t_sp, 3),
-                                 zero_exposed=round(ga * exposed, 3), optimizer=round(t_opt, 3)))
+                                 zero_exposed=round(ga * exposed, 3), optimizer=round(t_opt, 3),
+                                 **({"recurrent_comm": round(ga * t_rec, 4)} if shape.recurrent else {})),
+                **({"linear_kernel": opt.linear_kernel,
+                    "recurrent_exchange_mib_per_micro": round(3 * recurrent_exchange(shape, opt, B)[0] / 2**20, 2)}
+                   if shape.recurrent else {}))

@@ -43,26 +43,73 @@ def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: f
         r_fb, r_f = r_fb * C("window_attn_efficiency"), r_f * C("window_attn_efficiency")
     t_attn = 3.5 * attn_fwd_flops / r_fb * load
     t_attn_f = attn_fwd_flops / r_f * load
-    t_mm = 6.0 * shape.matmul_params_active() * T / r_mm
-    t_ew = C("elementwise_s_per_token_dim_fused" if opt.fused_ops else "elementwise_s_per_token_dim_hf") * d * T
+    # totals over the layers: softmax attention in n_attn of them, the recurrent layers' state math in the rest
+    # (hybrids, cost_model/hybrid.py), matmuls (projections, MLPs) and elementwise work in all
+    nA, n = shape.n_attn, shape.layers
+    t_mm = 6.0 * shape.matmul_params_active_total() * T / r_mm
+    t_ew = n * C("elementwise_s_per_token_dim_fused" if opt.fused_ops else "elementwise_s_per_token_dim_hf") * d * T
     rec_ew = C("recompute_elementwise_fraction") * t_ew
-    per_layer = t_attn + t_mm + t_ew
+    t_rec, t_rec_f = recurrent_time(shape, opt, g, T)
+    total = nA * t_attn + t_mm + t_ew + t_rec
     if opt.checkpointing in ("layer", "offload"):
-        per_layer += t_mm / 3 + t_attn_f + rec_ew
-    else:  # selective: attention output kept, the rest recomputed
-        per_layer += t_mm / 3 + rec_ew
+        total += t_mm / 3 + nA * t_attn_f + rec_ew + t_rec_f
+    else:  # selective: attention output kept, the rest (recurrent layers whole) recomputed
+        total += t_mm / 3 + rec_ew + t_rec_f
     if opt.tiled_mlp:  # the tiled backward recomputes the MLP forward tile by tile
-        per_layer += 2.0 * shape.mlp_params(active=True) * T / r_mm
+        total += shape.n_mlp * 2.0 * shape.mlp_params(active=True) * T / r_mm
     if k > 1:  # nested: the inner inputs of each group of k are recomputed once more (their attention too, unless
         # the mode's attention keeps what the rebuild computed for the layer's backward: memory/offload.py)
         kept_attn = mode_of(opt).supports_attention_cache
-        per_layer += (k - 1) / k * (t_mm / 3 + (0.0 if kept_attn else t_attn_f) + rec_ew)
+        total += (k - 1) / k * (t_mm / 3 + (0.0 if kept_attn else nA * t_attn_f) + rec_ew + t_rec_f)
     if opt.head_chunks > 1:  # each group's q/k/v product is rebuilt in the block's backward (memory/head_chunks.py)
-        per_layer += 2.0 * d * (da + 2 * shape.d_kv) * T / r_mm
+        total += nA * 2.0 * d * (da + 2 * shape.d_kv) * T / r_mm
     t_head = (6.0 + (2.0 if opt.chunked_loss else 0.0)) * shape.vocab * d * T / r_mm
     # a selective layer (offload + kept attention output, memory/auto.py) skips one attention forward recompute
-    skipped = min(opt.selective_layers, shape.layers) * t_attn_f if opt.checkpointing == "offload" else 0.0
-    return C("step_time_factor") * (shape.layers * per_layer - skipped + t_head), t_attn, t_attn_f
+    skipped = min(opt.selective_layers, nA) * t_attn_f if opt.checkpointing == "offload" else 0.0
+    return C("step_time_factor") * (total - skipped + t_head), t_attn, t_attn_f
+
+
+def recurrent_time(shape: Shape, opt: Option, g: dict, T: float) -> tuple[float, float]:
+    """(fwd+bwd s, fwd s) of every recurrent layer's state math at T local tokens (projections are matmuls):
+    FLOPs (cost_model/hybrid.py) over the kernel's throughput (gated DeltaNet: ``opt.linear_kernel``, fla or the
+    model file's torch rule; Mamba-2: the torch SSD), x the parallel path's overhead when sp > 1; the short conv
+    per token x channel (memory-bound)."""
+    fb = f = 0.0
+    for r in shape.recurrent:
+        if r.kind == "short_conv":
+            one = C("short_conv_s_per_token_channel") * r.conv_channels * T
+        else:
+            key, kern = ("delta_rule_fwd_bwd_tflops", opt.linear_kernel) if r.kind == "gated_deltanet" \
+                else ("ssd_fwd_bwd_tflops", "torch")
+            rate = g[key][kern]
+            rate = (interp(rate, int(T)) if isinstance(rate, dict) else float(rate)) * 1e12
+            one = 3.0 * r.state_flops() * T / rate
+            if opt.sp > 1 and r.kind == "gated_deltanet":
+                one *= C(f"delta_rule_sp_factor_{kern}")
+        fb += r.count * one
+        f += r.count * one / 3.0
+    return fb, f
+
+
+def recurrent_exchange(shape: Shape, opt: Option, batch: int) -> tuple[float, int]:
+    """(bytes a rank sends in one pass over the layers, messages per pass): every piece's summary to every other
+    rank (recurrent/exchange.py), per recurrent layer; zigzag-type cuts hold 2 pieces a rank, contiguous 1.
+    The backward sends as much (gradients), and a checkpointed layer's recompute exchanges again."""
+    if opt.sp <= 1 or not shape.recurrent:
+        return 0.0, 0
+    mine = 2 if mode_of(opt).packed_pairs else 1
+    sent = sum(r.count * mine * (opt.sp - 1) * batch * sum(r.piece_bytes()) for r in shape.recurrent)
+    return float(sent), sum(r.count * len(r.piece_bytes()) for r in shape.recurrent)
+
+
+def recurrent_comm_time(shape: Shape, opt: Option, env: Env, g: dict) -> float:
+    """Exposed time of the recurrent state exchange in one micro-batch (not overlapped: the layer waits for it):
+    forward, recompute (every candidate checkpoints) and backward."""
+    sent, msgs = recurrent_exchange(shape, opt, env.batch)
+    if not msgs:
+        return 0.0
+    p2p = (g["nvlink_p2p_gbs"] if opt.sp <= env.gpus_per_node else g["ib_gbs"]) * 1e9
+    return 3 * (sent / p2p + msgs * C("comm_latency_s"))
 
 
 def sp_comm_time(shape: Shape, opt: Option, env: Env, g: dict, T: float, t_attn: float, t_attn_f: float) -> float:
@@ -83,12 +130,12 @@ def sp_comm_time(shape: Shape, opt: Option, env: Env, g: dict, T: float, t_attn:
         f_bytes, b_bytes = fac * T * 2 * kv_w * 2, fac * T * 2 * kv_w * (2 + 4)  # bf16 k,v; + fp32 dk,dv back
         f_comp, b_comp = t_attn_f / r, (t_attn - t_attn_f) / r
         per_step = fwd_passes * (max(0.0, f_bytes / p2p - f_comp) + lat) + max(0.0, b_bytes / p2p - b_comp) + lat
-        t_sp += shape.layers * (r - 1) * per_step
+        t_sp += shape.n_attn * (r - 1) * per_step
     if sp > 1 and traffic.ulysses > 1:
         u = traffic.ulysses
         bw = (g["nvlink_collective_gbs"] if u <= env.gpus_per_node else g["ib_gbs"]) * 1e9
         a2a = T * (2 * da + 2 * kv_eff) * 2 * (u - 1) / u / bw + 2 * lat   # q,k,v in + out back (or grads)
-        t_sp += shape.layers * a2a * (fwd_passes + 1 + (1 if opt.checkpointing == "selective" else 0))
+        t_sp += shape.n_attn * a2a * (fwd_passes + 1 + (1 if opt.checkpointing == "selective" else 0))
     return t_sp
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import Plan
-from .zero3 import gather_direct, gathered
+from .zero3 import full_zeros, gather_direct, is_partitioned, whole_layer, whole_layer_for_grads
 
 # test hook (the mutation the tests run): "1" replaces every state received from another rank by zeros, i.e.
 # drops the state exchange; the equivalence test must then fail.
@@ -102,8 +102,10 @@ class _Chain(torch.autograd.Function):
         d_x = torch.zeros_like(x)
         d_params = [None] * len(params)
         dev, on, dtype = ctx.autocast
-        with torch.autocast(dev, dtype=dtype, enabled=on):
+        with whole_layer_for_grads(layer, params), torch.autocast(dev, dtype=dtype, enabled=on):  # ZeRO-3 (zero3.py)
             _backward_chain(plan, adapter, layer, x, d_out, states_in, params, d_x, d_params, k)
+            if is_partitioned(layer):  # every rank fires every parameter's gradient hook, in one order
+                d_params = [g if g is not None else full_zeros(p) for g, p in zip(d_params, params)]
         return (None, None, None, d_x if x.requires_grad else None, *d_params)
 
 
@@ -153,7 +155,7 @@ def run_layer(plan: Plan, adapter, layer, x: torch.Tensor) -> torch.Tensor:
         return out
     if plan.single:  # one process (data_parallel resets, an sp mode on one rank): plain autograd, ZeRO-3 too
         return chain_forward(plan, adapter, layer, x)[0]
-    with gathered(layer):  # ZeRO-3 across ranks: refused for the chain (zero3.py)
+    with whole_layer(layer):  # ZeRO-3 across ranks: the layer's parameters gathered once for the chain (zero3.py)
         if not torch.is_grad_enabled() or not (x.requires_grad or params):  # no backward: the forward chain only
             return chain_forward(plan, adapter, layer, x)[0]
         return _Chain.apply(plan, adapter, layer, x, *params)

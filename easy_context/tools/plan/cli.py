@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch-size", type=int, default=1, help="rows per micro-batch per data-parallel rank")
     a("--gradient-accumulate-every", type=int, default=4, help="micro-batches per optimizer step")
     a("--kernel", default=None, help="attention backend for the sp modes: fa4 (default on Hopper), cudnn, flash")
+    a("--linear-kernel", default="fla", choices=("fla", "torch"), help="hybrids: gated DeltaNet's chunk rule priced "
+      "at flash-linear-attention's kernel (fla, assumed throughput) or the model file's torch path (measured)")
     a("--top", type=int, default=10, help="rows to print")
     a("--json", action="store_true", help="machine-readable: every candidate, fitting first, fastest first")
     a("--doc-median", type=float, default=None, help="packed rows: median document length (log-normal); prints the "
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     env = Env(gpu=args.gpu, gpus_per_node=args.gpus, nodes=args.nodes, seq_len=args.seq_length, batch=args.batch_size,
               grad_accum=args.gradient_accumulate_every, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem)
-    rows = rank_rows(candidates(shape, env, args.kernel))
+    rows = rank_rows(candidates(shape, env, args.kernel, args.linear_kernel))
     for r in rows:
         r["command"] = accelerate_command(r, env)
     fits = [r for r in rows if r["fits"]]
@@ -129,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
           f"heads {shape.heads}/{shape.kv_heads} kv, vocab {shape.vocab}; L={args.seq_length}, "
           f"{args.nodes} x {args.gpus} {args.gpu.upper()} ({args.gpu_mem or g['memory_gib']:g} GiB each, "
           f"host {host:g} GiB/node), batch {args.batch_size}, GA {args.gradient_accumulate_every}")
-    print(f"model FLOPs/token (6N + 6 n_layers L d) {model_flops_per_token(shape, args.seq_length):.3e}; "
+    terms = "6N + 6 n_attn L d + 3 x recurrent state math" if shape.recurrent else "6N + 6 n_layers L d"
+    print(f"model FLOPs/token ({terms}) {model_flops_per_token(shape, args.seq_length):.3e}; "
           f"{len(fits)} of {len(rows)} candidates fit")
+    if shape.recurrent:
+        from ...cost_model.hybrid import describe
+        print(describe(shape.recurrent, shape.n_attn, shape.hidden))
     shown = fits[:args.top] if fits else rows[:args.top]
     if not fits:
         print("nothing fits; the closest candidates and why:")

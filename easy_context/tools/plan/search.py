@@ -28,14 +28,15 @@ def layouts(shape: Shape, world: int, L: int):
                     yield mode, dp, sp, ring
 
 
-def candidates(shape: Shape, env: Env, kernel: str | None = None) -> list[dict]:
+def candidates(shape: Shape, env: Env, kernel: str | None = None, linear_kernel: str = "fla") -> list[dict]:
     rows = []
     for (mode, dp, sp, ring), ckpt, chunked, tiled, zero in itertools.product(
             layouts(shape, env.world, env.seq_len), CHECKPOINTING, (True, False), (True, False), ZERO):
         if zero == "zero3" and env.world == 1:
             continue  # ZeRO-3 without offload partitions nothing on one GPU: zero2 is the same and shipped
         m = mode_of({"mode": mode})
-        opt = Option(mode, dp, sp, ckpt, chunked, tiled, zero, ring=ring, kernel=kernel if m.is_parallel else None)
+        opt = Option(mode, dp, sp, ckpt, chunked, tiled, zero, ring=ring, kernel=kernel if m.is_parallel else None,
+                     linear_kernel=linear_kernel)
         here = [predict(shape, opt, env)]
         n = head_chunks_for(shape)
         if n > 1 and m.supports_attention_cache and ckpt != "none":
@@ -57,7 +58,7 @@ def with_selective(shape: Shape, opt: Option, env: Env, row: dict | None = None)
     row = row or predict(shape, opt, env)
     gpu_mem = env.gpu_mem_gib if env.gpu_mem_gib is not None else gpu_constants(env.gpu)["memory_gib"]
     room = gpu_mem * C("usable_gpu_fraction") * (1 - MARGIN) * GiB - row["gpu_peak_gib"] * GiB
-    s = min(shape.layers, int(room // attn_output_bytes(shape, env.batch * env.seq_len / opt.sp)))
+    s = min(shape.n_attn, int(room // attn_output_bytes(shape, env.batch * env.seq_len / opt.sp)))
     return predict(shape, replace(opt, selective_layers=s), env) if row["fits"] and s > 0 else None
 
 
