@@ -296,6 +296,22 @@ def test_gemma3_check_cli_passes(gemma3_dir, capsys):
     assert code == 0 and "\nPASS" in out and "theta 1e+06" in out and "theta 10000" in out, out
 
 
+def test_rope_theta_moves_gemma3_global_layers_only():
+    """train.py --rope-theta on a RoPE per layer type: the global layers' theta (read back by get_rope_theta), the
+    local layers' kept. Before, a top-level key nothing read: the model trained at 1e6 and reported the new theta."""
+    import transformers as tf
+
+    from easy_context.hf.config import get_rope_theta, set_rope_theta
+    config = tf.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"])
+    set_rope_theta(config, 4e6)
+    rotary = tf.Gemma3ForCausalLM(config).model.rotary_emb
+    theta = {t: float(getattr(rotary, f"{t}_inv_freq")[1]) ** -8 for t in ("full_attention", "sliding_attention")}
+    assert get_rope_theta(config) == 4e6 and abs(theta["full_attention"] / 4e6 - 1) < 1e-4, theta
+    assert abs(theta["sliding_attention"] / 1e4 - 1) < 1e-4, theta
+
+
 def test_real_text_corpus(tmp_path):
     """The jsonl corpus: whole documents split, nothing held out is trained on, the haystack is prose."""
     from easy_context.real_text import write_corpus
