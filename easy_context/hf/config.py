@@ -6,19 +6,29 @@ from __future__ import annotations
 from ..errors import UsageError
 
 
-def set_rope_theta(config, theta: float) -> None:
-    """transformers 5 keeps theta in ``config.rope_parameters["rope_theta"]``; older configs in ``rope_theta``."""
+def _theta_home(config) -> dict | None:
+    """Where --rope-theta goes: ``config.rope_parameters`` (transformers 5), or with a RoPE per layer type (Gemma 3)
+    the global layers' entry: a local layer sees at most its window (512), far below any trained length."""
     rp = getattr(config, "rope_parameters", None)
-    if isinstance(rp, dict):
-        rp["rope_theta"] = float(theta)
-    if hasattr(config, "rope_theta") or not isinstance(rp, dict):
+    if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
+        return rp["full_attention"]
+    return rp if isinstance(rp, dict) else None
+
+
+def set_rope_theta(config, theta: float) -> None:
+    """transformers 5 keeps theta in ``config.rope_parameters["rope_theta"]`` (per layer type: the global layers');
+    older configs in ``rope_theta``."""
+    home = _theta_home(config)
+    if home is not None:
+        home["rope_theta"] = float(theta)
+    if hasattr(config, "rope_theta") or home is None:
         config.rope_theta = float(theta)
 
 
 def get_rope_theta(config) -> float:
-    rp = getattr(config, "rope_parameters", None)
-    if isinstance(rp, dict) and "rope_theta" in rp:
-        return float(rp["rope_theta"])
+    home = _theta_home(config)
+    if home is not None and "rope_theta" in home:
+        return float(home["rope_theta"])
     return float(config.rope_theta)
 
 

@@ -106,9 +106,10 @@ def clean_config(config):
     return config
 
 
-def convert_gguf(src: str, out_dir: str, dtype: str = "float32", overwrite: bool = False) -> dict:
-    """Convert a GGUF file (or a wheel holding one) into a safetensors HF directory at ``out_dir``; returns the
-    conversion record written to ``out_dir/conversion.json``."""
+def convert_gguf(src: str, out_dir: str, dtype: str = "float32", overwrite: bool = False,
+                 extra_files: list[str] | tuple[str, ...] = ()) -> dict:
+    """Convert a GGUF file (or a wheel holding one) into a safetensors HF directory at ``out_dir`` (``extra_files``,
+    e.g. licence terms, copied in); returns the conversion record written to ``out_dir/conversion.json``."""
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if not os.path.isfile(src):
@@ -155,6 +156,8 @@ def convert_gguf(src: str, out_dir: str, dtype: str = "float32", overwrite: bool
                   "metadata": _gguf_metadata(gguf_path)}
         with open(os.path.join(staged, "conversion.json"), "w") as f:
             json.dump(record, f, indent=2, default=str)
+        for extra in extra_files:
+            shutil.copy(extra, staged)
         for name in os.listdir(staged):  # some writers leave 0600 files (mkstemp): readable like any model dir
             os.chmod(os.path.join(staged, name), 0o644)
         os.chmod(staged, 0o755)
