@@ -200,7 +200,7 @@ class SeqParallelLM:
         self.device = next(model.parameters()).device
         self.state = _State()
         from .recurrent.inference import attach  # hybrids (issue #30): chain prefill, replicated decode state
-        self._recurrent = attach(model, mode.name if self.world > 1 else PLAIN_MODE, self.groups, self.state,
+        self._recurrent = attach(model, mode if self.world > 1 else PLAIN_MODE, self.groups, self.state,
                                  self.group)
         self._sp_attn = make_attention_fn(mode, **self.groups) if self.world > 1 else None
         state, engine = self.state, self

@@ -147,7 +147,7 @@ def apply_seq_parallel_monkey_patch(seq_algo, model, ring_degree: int | None = N
 
 def _patch_family(mode: Mode, family, groups, require: bool = False):
     from ..recurrent.patch import refuse_family
-    refuse_family(mode.name, _FAMILY_TABLE[family])  # hybrids are patched per instance (issue #30)
+    refuse_family(mode, _FAMILY_TABLE[family])  # hybrids are patched per instance (issue #30)
     check_transformers_compat(family)
     mod = _family_module(family)
     from transformers.modeling_utils import AttentionInterface
@@ -182,7 +182,7 @@ def _patch_instance(mode: Mode, model, groups, require: bool = False):
     if mode.is_parallel:  # every attention layer through the AttentionInterface, every recurrent one adapted
         from .route import check_routable
         check_routable(model, mode.name)
-    patch_recurrent_layers(mode.name, model, groups, require)  # refuses layers it cannot run exactly (issue #30)
+    patch_recurrent_layers(mode, model, groups, require)  # refuses layers it cannot run exactly (issue #30)
     family = getattr(model.config, "model_type", None)
     family = family_of_model_type(family)
     if family in FAMILIES:

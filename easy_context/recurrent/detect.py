@@ -73,7 +73,7 @@ def _config_hint(config) -> str | None:
     return None
 
 
-def check_supported(seq_algo: str, model) -> list[tuple[str, torch.nn.Module]]:
+def check_supported(mode, model) -> list[tuple[str, torch.nn.Module]]:
     """The recurrent layers of ``model`` (all with an adapter), or ValueError naming the first unsupported one.
 
     Called by apply_seq_parallel_monkey_patch for every sequence-parallel mode before anything is patched."""
@@ -81,6 +81,7 @@ def check_supported(seq_algo: str, model) -> list[tuple[str, torch.nn.Module]]:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     layers = recurrent_layers(model)
+    seq_algo = getattr(mode, "name", mode)
     for name, m in layers:
         if get_adapter(m) is None:
             raise ValueError(
@@ -101,20 +102,21 @@ def check_supported(seq_algo: str, model) -> list[tuple[str, torch.nn.Module]]:
 
 
 
-def check_config(seq_algo: str, config) -> list[tuple[str, str]]:
+def check_config(mode, config) -> list[tuple[str, str]]:
     """(name, class name) of the recurrent layers; check_supported for a config alone (``python -m easy_context check``, before any rank starts): the model is
     built on the meta device (no memory, no weights). A config that cannot be built that way is left to the ranks."""
     import transformers
+    mode = get_mode(mode)  # a name from a user (check's --mode)
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - the ranks build it for real and report
-        if _config_hint(config) is not None and get_mode(seq_algo).is_parallel:
-            check_supported(seq_algo, _Shell(config))
+        if _config_hint(config) is not None and mode.is_parallel:
+            check_supported(mode, _Shell(config))
         return []
-    if not get_mode(seq_algo).is_parallel:
+    if not mode.is_parallel:
         return [(n, type(m).__name__) for n, m in recurrent_layers(model)]
-    return [(n, type(m).__name__) for n, m in check_supported(seq_algo, model)]
+    return [(n, type(m).__name__) for n, m in check_supported(mode, model)]
 
 
 class _Shell(torch.nn.Module):

@@ -10,7 +10,6 @@ state after the prompt, replicated on every rank.
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from .adapter import get_adapter
@@ -52,10 +51,10 @@ class RecurrentDecode:
         return out
 
 
-def attach(model, seq_algo: str, groups: dict, engine_state, group):
+def attach(model, mode, groups: dict, engine_state, group):
     """Patch ``model``'s recurrent layers for the engine (refusing unsupported ones under an sp mode); returns the
     decode handle, or None for a model without recurrent layers."""
-    patch_model(seq_algo, model, groups)
+    patch_model(mode, model, groups)
     ctx = getattr(model, "_easy_context_recurrent", None)
     if ctx is None:
         from .detect import recurrent_layers

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from ..registry import get_mode
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ def _resets(position_ids: torch.Tensor | None, length: int) -> torch.Tensor | No
     return starts if bool(starts.any()) else None
 
 
-def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, batch: int, length: int,
+def build_plan(mode, groups: dict, position_ids: torch.Tensor | None, batch: int, length: int,
                dispatch=None, require_table: bool = False) -> Plan:
     """The chain's plan for a local input of ``length`` tokens (position ids (B, length) or None; ``dispatch``: the
     packed rows' table the model call carries, the attention's cut)."""
@@ -72,13 +71,13 @@ def build_plan(seq_algo: str, groups: dict, position_ids: torch.Tensor | None, b
     if position_ids is not None and position_ids.shape[0] == 1 and batch > 1:
         position_ids = position_ids.expand(batch, -1)
     resets = _resets(position_ids, length)
-    if not (dist.is_available() and dist.is_initialized()) or not get_mode(seq_algo).is_parallel:
+    if not (dist.is_available() and dist.is_initialized()) or not mode.is_parallel:
         return Plan(me, (Piece(me, 0, length, 0),), resets)
     if position_ids is None:
-        raise ValueError(f"{seq_algo}: the recurrent layers need position_ids (from prepare_seq_parallel_inputs) "
+        raise ValueError(f"{mode.name}: the recurrent layers need position_ids (from prepare_seq_parallel_inputs) "
                          "to know where this rank's tokens lie in the sequence; pass position_ids= to the model")
     ids = (me * length + torch.arange(length, device=position_ids.device) + 1).unsqueeze(0)
-    glob = gather_positions(get_mode(seq_algo), torch.cat([position_ids.to(ids.dtype), ids], 0), groups, dispatch,
+    glob = gather_positions(mode, torch.cat([position_ids.to(ids.dtype), ids], 0), groups, dispatch,
                             check_rows=rows, require_table=require_table)
     gid = (glob[-1] - 1).cpu()
     owner, off = (gid // length).tolist(), (gid % length).tolist()

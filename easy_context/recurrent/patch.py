@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import weakref
 
-import torch
 
 from .adapter import get_adapter
 from .chain import run_layer
@@ -22,8 +21,8 @@ _ATTR = "_easy_context_recurrent"
 class _Context:
     """One patched model's state: mode, groups, the current call's position ids and its cached plan."""
 
-    def __init__(self, seq_algo, groups, require_table: bool = False):
-        self.seq_algo, self._groups, self.require_table = seq_algo, groups, require_table
+    def __init__(self, mode, groups, require_table: bool = False):
+        self.mode, self._groups, self.require_table = mode, groups, require_table
         self.position_ids = None
         self.dispatch = None  # the packed rows' table the current call carries (dispatch.DISPATCH_KWARG)
         self._plan = None  # (weakref to position ids, version, batch, length, Plan)
@@ -34,7 +33,7 @@ class _Context:
     def groups(self) -> dict:
         if "ring_degree" in self._groups:  # no process group at patch time: built now, collectively
             from ..parallel_layout import ParallelLayout
-            self._groups = ParallelLayout.build(self.seq_algo, ring_degree=self._groups["ring_degree"]).attn_groups()
+            self._groups = ParallelLayout.build(self.mode, ring_degree=self._groups["ring_degree"]).attn_groups()
         return self._groups
 
     def plan(self, batch, length):
@@ -44,7 +43,7 @@ class _Context:
         if hit is not None and hit[0]() is pos and hit[1:4] == (version, batch, length) and pos is not None \
                 and hit[4] is self.dispatch:
             return hit[5]
-        plan = build_plan(self.seq_algo, self.groups(), pos, batch, length, self.dispatch, self.require_table)
+        plan = build_plan(self.mode, self.groups(), pos, batch, length, self.dispatch, self.require_table)
         self._plan = (weakref.ref(pos) if pos is not None else (lambda: None), version, batch, length,
                       self.dispatch, plan)
         return plan
@@ -55,7 +54,7 @@ def _record_positions(ctx):
 
     def hook(module, args, kwargs):
         ctx.position_ids = kwargs.get("position_ids")
-        ctx.dispatch = table_of(kwargs, get_mode(ctx.seq_algo))
+        ctx.dispatch = table_of(kwargs, ctx.mode)
     return hook
 
 
@@ -63,13 +62,13 @@ def _forward_for(ctx, layer, adapter):
     def forward(hidden_states, *args, cache=None, attention_mask=None, **kwargs):
         has_cache = cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("cache_params") is not None
         padded = attention_mask is not None and not bool(attention_mask.bool().all())
-        if (has_cache or padded) and not get_mode(ctx.seq_algo).is_parallel:  # one process, generation: the layer as it is
+        if (has_cache or padded) and not ctx.mode.is_parallel:  # one process, generation: the layer as it is
             return type(layer).forward(layer, hidden_states, *args, cache=cache, attention_mask=attention_mask, **kwargs)
         if has_cache:
-            raise ValueError(f"{ctx.seq_algo}: a cache is not supported in the sequence-parallel recurrent layers; "
+            raise ValueError(f"{ctx.mode.name}: a cache is not supported in the sequence-parallel recurrent layers; "
                              "call the model with use_cache=False")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError(f"{ctx.seq_algo}: padding (attention_mask with zeros) is not supported in the "
+            raise ValueError(f"{ctx.mode.name}: padding (attention_mask with zeros) is not supported in the "
                              "sequence-parallel recurrent layers; pack documents and mark them with position_ids")
         if ctx.infer is not None:  # SeqParallelLM: forward / prefill / decode (inference.py)
             return ctx.infer.run(ctx, layer, hidden_states)
@@ -89,19 +88,20 @@ def _unpatch(model) -> None:
     delattr(model, _ATTR)
 
 
-def apply(seq_algo: str, model, groups: dict, require_table: bool = False) -> None:
-    """Patch ``model``'s recurrent layers for ``seq_algo``. ``data_parallel``: the supported layers still honour
+def apply(mode, model, groups: dict, require_table: bool = False) -> None:
+    """Patch ``model``'s recurrent layers for ``mode`` (a Mode; a name from a user is resolved here, once). ``data_parallel``: the supported layers still honour
     document restarts in position_ids (one process, one piece; identical to the plain layer on unpacked rows and
     with a cache); unsupported ones stay plain (nothing is cut)."""
     _unpatch(model)
-    if not get_mode(seq_algo).is_parallel:
+    mode = get_mode(mode)
+    if not mode.is_parallel:
         from .detect import recurrent_layers
         layers = [(n, m) for n, m in recurrent_layers(model) if get_adapter(m) is not None]
     else:
-        layers = check_supported(seq_algo, model)
+        layers = check_supported(mode, model)
     if not layers:
         return
-    ctx = _Context(seq_algo, dict(groups), require_table)
+    ctx = _Context(mode, dict(groups), require_table)
     base = getattr(model, "base_model", model)
     ctx.hook = base.register_forward_pre_hook(_record_positions(ctx), with_kwargs=True)
     for _, layer in layers:
@@ -110,11 +110,11 @@ def apply(seq_algo: str, model, groups: dict, require_table: bool = False) -> No
     setattr(model, _ATTR, ctx)
 
 
-def refuse_family(seq_algo: str, family) -> None:
+def refuse_family(mode, family) -> None:
     """A family-string patch cannot reach the recurrent layers (they are wrapped per instance): refuse it."""
-    if family.recurrent and get_mode(seq_algo).is_parallel:
+    if family.recurrent and mode.is_parallel:
         raise ValueError(f"{family.name} has recurrent layers ({', '.join(family.recurrent)}) that are patched per "
-                         f"model: pass the model instance, apply_seq_parallel_monkey_patch({seq_algo!r}, model)")
+                         f"model: pass the model instance, apply_seq_parallel_monkey_patch({mode.name!r}, model)")
 
 
 __all__ = ["apply", "refuse_family"]
