@@ -10,7 +10,7 @@
 #                                         # (default L = 32768 131072), then the 9B-width GDN layer at W = 8, 128K
 #   bash bench/gpu_hybrid_fla.sh model512 # the same stack pair at 512K, one timed step each (twin ~80 s a step)
 # fla 0.6 refuses its gated backward on Hopper under Triton < 3.7.1 (torch 2.11 bundles one): `triton-pack` here,
-# then on the GPU machine `triton-keep` three times (carry .tri/a, .tri/b, .tri/c), `triton-install`, and
+# then on the GPU machine `triton-keep` four times (carry .tri/a .. .tri/d), `triton-install`, and
 # TRITON_SITE=/tmp/tri-site before test / layer / model.
 # Logs go to $OUT (the device call's output folder).
 set -euo pipefail
@@ -25,13 +25,13 @@ install() {
   python3 -c "import fla, transformers, torch; print('fla', fla.__version__, '| transformers', transformers.__version__, '| torch', torch.__version__, '|', torch.cuda.get_device_name())"
 }
 case "${1:-}" in
-  triton-pack)  # fla's gated backward needs Triton >= 3.7.1 on Hopper (torch 2.11 bundles an older one): 3 carries
-    mkdir -p .tri/a .tri/b .tri/c && rm -f .tri/*/*
+  triton-pack)  # fla's gated backward needs Triton >= 3.7.1 on Hopper (torch 2.11 bundles an older one): 4 carries (the tree travels too)
+    mkdir -p .tri/a .tri/b .tri/c .tri/d && rm -f .tri/*/*
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --platform manylinux_2_27_x86_64 -d .tri triton==3.7.1
-    (cd .tri && sha256sum triton-*.whl | sed 's|  |  /tmp/tri/|' > c/SHA256 && split -n 3 -d triton-*.whl part. \
-      && mv part.00 a/ && mv part.01 b/ && mv part.02 c/ && rm triton-*.whl); ls -la .tri/* ;;
-  triton-keep)  # carry .tri/a, then .tri/b, then .tri/c (one call each, back to back)
+    (cd .tri && sha256sum triton-*.whl | sed 's|  |  /tmp/tri/|' > d/SHA256 && split -n 4 -d triton-*.whl part. \
+      && mv part.00 a/ && mv part.01 b/ && mv part.02 c/ && mv part.03 d/ && rm triton-*.whl); ls -la .tri/* ;;
+  triton-keep)  # carry .tri/a, .tri/b, .tri/c, .tri/d: one call each, back to back
     mkdir -p /tmp/tri && cp .tri/*/* /tmp/tri/ && ls -la /tmp/tri ;;
   triton-install)  # -> /tmp/tri-site; then TRITON_SITE=/tmp/tri-site bash bench/gpu_hybrid_fla.sh test|layer|...
     cat /tmp/tri/part.0? > /tmp/tri/triton-3.7.1-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
