@@ -119,3 +119,22 @@ def test_unpriced_recurrent_layer_type_is_a_usage_error():
         plan.shape_from_dict("x", d)
     d = dict(_qwen35().to_dict(), layer_types=["chunked_attention"] * 32)  # not recurrent: softmax attention
     assert plan.shape_from_dict("x", d).n_attn == 32
+
+
+def test_auto_checkpointing_keeps_only_the_softmax_layers_outputs():
+    """--checkpointing auto on a hybrid: selective layers are softmax-attention layers only (the last ones first), and
+    the working set is the larger of one attention layer's and one gated DeltaNet layer's backward."""
+    from easy_context.cost_model.hybrid import kinds_from_config
+    from easy_context.memory.auto import GiB, choose_checkpointing
+    cfg = _qwen35()
+    per_layer = kinds_from_config(cfg.to_dict())[0]
+    attn = [i for i, k in enumerate(per_layer) if k == "attention"]
+    assert len(attn) == 8 and attn[-1] == 31  # 3 linear : 1 full over 32 layers
+    s = _shape(cfg)
+    gpu = (139.8 - 36.0) * GiB  # an H200 after bf16 weights + gradients of ~9B parameters
+    roomy = choose_checkpointing(s, 131072, gpu, 200 * GiB, attn_layers=attn)
+    assert roomy.selective_layers == tuple(attn)  # every softmax output fits; no recurrent layer is "selective"
+    tight = choose_checkpointing(s, 327680, gpu, 200 * GiB, attn_layers=attn)
+    assert tight.selective_layers == (15, 19, 23, 27, 31)  # the last softmax layers only, as many as fit
+    with pytest.raises(ValueError, match="one layer's backward"):  # gated DeltaNet's working set, not attention's
+        choose_checkpointing(s, 524288, gpu, 200 * GiB, attn_layers=attn)
