@@ -133,8 +133,12 @@ def report(runs: list[tuple[str, str]], out: str) -> str:
                _table(["run"] + [f"{_k(a + 1) if a else 0}-{_k(b + 1)}" for a, b in spans],
                       [[n] + [next((f"{x:.3f}" for a2, b2, x in v if (a2, b2) == s), "") for s in spans]
                        for n, v in buckets.items()]), ""]
-        _plot(buckets, os.path.join(out, "loss_by_position.png"))
-        _plot_ppl(ppl, os.path.join(out, "ppl_by_length.png"))
+        _plot({n: [((a + b) / 2, x) for a, b, x in v] for n, v in buckets.items()},
+              os.path.join(out, "loss_by_position.png"), "token position (middle of each doubling)",
+              "mean NLL (nats)", "loss by position")
+        _plot({n: [(L, v[L]) for L in sorted(v) if not math.isnan(v[L])] for n, v in ppl.items()},
+              os.path.join(out, "ppl_by_length.png"), "tokens (first L of each held-out long document)",
+              "perplexity", "perplexity by length", log_y=True)
         md += ["![loss by position](loss_by_position.png) ![perplexity by length](ppl_by_length.png)", ""]
     gens = {n: json.load(open(os.path.join(d, "generations.json"))) for n, d in runs
             if os.path.exists(os.path.join(d, "generations.json"))}
@@ -152,38 +156,21 @@ def report(runs: list[tuple[str, str]], out: str) -> str:
     return text
 
 
-def _plot(buckets, path):
+def _plot(series: dict, path: str, xlabel: str, ylabel: str, title: str, log_y: bool = False) -> None:
+    """One line per run: ``series`` = {name: [(x, y), ...]}, x on a log2 axis."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, v in buckets.items():
-        ax.plot([(a + b) / 2 for a, b, _ in v], [x for _, _, x in v], marker="o", label=name)
+    for name, pts in series.items():
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("token position (middle of each doubling)")
-    ax.set_ylabel("mean NLL (nats)")
-    ax.set_title("SmolLM2-135M on held-out long documents: loss by position")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _plot_ppl(ppl, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, v in ppl.items():
-        ls = sorted(L for L in v if not math.isnan(v[L]))
-        ax.plot(ls, [v[L] for L in ls], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens (first L of each held-out long document)")
-    ax.set_ylabel("perplexity")
-    ax.set_title("SmolLM2-135M on held-out long documents: perplexity by length")
-    ax.grid(alpha=0.3, which="both")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"SmolLM2-135M on held-out long documents: {title}")
+    ax.grid(alpha=0.3, which="both" if log_y else "major")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -132,9 +132,10 @@ def test_auto_checkpointing_keeps_only_the_softmax_layers_outputs():
     assert len(attn) == 8 and attn[-1] == 31  # 3 linear : 1 full over 32 layers
     s = _shape(cfg)
     gpu = (139.8 - 36.0) * GiB  # an H200 after bf16 weights + gradients of ~9B parameters
-    roomy = choose_checkpointing(s, 131072, gpu, 200 * GiB, attn_layers=attn)
+    assert s.attn_layers == tuple(attn)
+    roomy = choose_checkpointing(s, 131072, gpu, 200 * GiB)
     assert roomy.selective_layers == tuple(attn)  # every softmax output fits; no recurrent layer is "selective"
-    tight = choose_checkpointing(s, 327680, gpu, 200 * GiB, attn_layers=attn)
+    tight = choose_checkpointing(s, 327680, gpu, 200 * GiB)
     assert tight.selective_layers == (15, 19, 23, 27, 31)  # the last softmax layers only, as many as fit
     with pytest.raises(ValueError, match="one layer's backward"):  # gated DeltaNet's working set, not attention's
-        choose_checkpointing(s, 524288, gpu, 200 * GiB, attn_layers=attn)
+        choose_checkpointing(s, 524288, gpu, 200 * GiB)

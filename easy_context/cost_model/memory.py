@@ -106,5 +106,9 @@ def recurrent_working_set(shape: Shape, opt: Option, T: float, batch: int) -> fl
     if not shape.recurrent:
         return 0.0
     pieces = (2 if mode_of(opt).packed_pairs else 1) * opt.sp if opt.sp > 1 else 0
-    return max(C("recurrent_ws_factor") * r.working_set_per_token(shape.hidden) * T
-               + pieces * batch * sum(r.piece_bytes()) for r in shape.recurrent)
+    return max(recurrent_layer_bytes(r, shape, T) + pieces * batch * sum(r.piece_bytes()) for r in shape.recurrent)
+
+
+def recurrent_layer_bytes(r, shape: Shape, T: float) -> float:
+    """One recurrent layer's backward of kind ``r`` at T local tokens (its exchanged summaries not counted)."""
+    return C("recurrent_ws_factor") * r.working_set_per_token(shape.hidden) * T

@@ -32,10 +32,15 @@ class Shape:
     attn_output_gate: bool = False  # q_proj also yields a sigmoid gate of the attention output (qwen3_next, qwen3_5)
     shared_expert_intermediate: int = 0  # MoE: a gated shared expert of this width beside the routed ones
     mlp_matrices: int = 3  # 3: gated MLP (gate, up, down); 2: up, down (nemotron_h's relu^2)
+    layer_kinds: tuple[str, ...] = ()  # hybrids: each layer's kind (hybrid.kinds_from_config); () = all attention
 
     @property
     def n_recurrent(self) -> int:
         return sum(r.count for r in self.recurrent)
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:  # indices of the softmax-attention layers
+        return tuple(i for i, k in enumerate(self.layer_kinds or ("attention",) * self.layers) if k == "attention")
 
     @property
     def n_attn(self) -> int:  # softmax-attention layers
@@ -138,7 +143,7 @@ def shape_from_dict(name: str, d: dict) -> Shape:
                  window=attention_window(SimpleNamespace(**d)), recurrent=recurrent,
                  mlp_layers=sum(k in ("mlp", "moe") for k in per_layer) if block else None, attn_output_gate=gated,
                  shared_expert_intermediate=int(g("shared_expert_intermediate_size") or 0) if experts > 1 else 0,
-                 mlp_matrices=2 if mt == "nemotron_h" else 3)
+                 mlp_matrices=2 if mt == "nemotron_h" else 3, layer_kinds=per_layer)
 
 
 def load_shape(model: str) -> Shape:

@@ -63,6 +63,12 @@ def read_haystack(haystack_dir: str | None) -> str:
     return "\n\n".join(texts)
 
 
+def ending_ids(tokenizer, ids, ends, strip: str | None = None) -> set[int]:
+    """The distinct ids of ``ids`` whose decoded text ends in one of ``ends`` after ``str.rstrip(strip)``: found from
+    the tokenizer itself (SentencePiece "▁.", byte-level ".", ".\n", ...), no hard-coded ids."""
+    return {i for i in set(ids) if tokenizer.decode([i]).rstrip(strip).endswith(tuple(ends))}
+
+
 def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -91,7 +97,7 @@ class NeedleHaystack:
         self.ids = (base * max(1, reps))[:max(max_context_length, 1)]
         # Sentence ends from the tokenizer itself: any token whose text ends in . ! or ? (after stripping
         # whitespace) - works for SentencePiece ("▁."), byte-level BPE (".", ".\n") and the rest.
-        ends = {i for i in set(self.ids) if tokenizer.decode([i]).rstrip().endswith((".", "!", "?"))}
+        ends = ending_ids(tokenizer, self.ids, (".", "!", "?"))
         self.sentence_ends = [j + 1 for j, t in enumerate(self.ids) if t in ends]  # insert after the period
         enc = tokenizer(PREFIX)["input_ids"]  # keeps the BOS the tokenizer adds, like EasyContext
         self.prefix_ids = list(enc)
@@ -150,4 +156,4 @@ def random_number(rng: random.Random, digits: int) -> str:
 
 
 __all__ = ["NEEDLE", "DISTRACTOR_CITIES", "DISTRACTORS", "PREFIX", "QUESTION_STR", "filler_text", "read_haystack",
-           "NeedleHaystack", "NeedlePrompt", "random_number"]
+           "NeedleHaystack", "NeedlePrompt", "random_number", "ending_ids"]

@@ -41,19 +41,18 @@ class CheckpointChoice:
 
 
 def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: float, kernel: str = "fa4",
-                         gpu: str = "h200", margin: float = MARGIN, head_chunks=(1,),
-                         attn_layers=None) -> CheckpointChoice:
+                         gpu: str = "h200", margin: float = MARGIN, head_chunks=(1,)) -> CheckpointChoice:
     """``shape``: a cost_model Shape; ``gpu_budget``: bytes free for activations (weights and gradients already
     counted out); ``host_budget``: bytes of host memory that may be pinned; ``margin``: the share of the GPU budget
     left unplanned (allocator slack, what the working-set model misses); ``head_chunks``: the head-group counts
     allowed (memory/head_chunks.py: same FLOPs, a smaller working set): the fewest groups that keep the most
     selective layers win. Raises ValueError when even one kept input per every layer of the model does not fit the
-    host, or the working set does not fit the GPU at any allowed head-group count. ``attn_layers``: the indices of
-    the softmax-attention layers of a hybrid (the only ones with an output to keep; None: every layer)."""
+    host, or the working set does not fit the GPU at any allowed head-group count. A hybrid's selective layers are
+    its softmax-attention layers (``shape.attn_layers``: the only ones with an output to keep)."""
     best, no_room = None, None
     for n in sorted({int(c) for c in head_chunks}):
         try:
-            c = _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, attn_layers)
+            c = _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n)
         except _NoRoom as e:  # more groups may fit
             no_room = e
             continue
@@ -68,9 +67,9 @@ class _NoRoom(ValueError):
     pass
 
 
-def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, attn_layers=None) -> CheckpointChoice:
-    from ..cost_model.constants import C, gpu_constants
-    from ..cost_model.memory import attn_output_bytes, attn_working_set
+def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n) -> CheckpointChoice:
+    from ..cost_model.constants import gpu_constants
+    from ..cost_model.memory import attn_output_bytes, attn_working_set, recurrent_layer_bytes
     from ..cost_model.step_time import interp
     layers_n, T, d, da = shape.layers, float(tokens), shape.hidden, shape.d_attn
     inp, out = 2 * d * T, attn_output_bytes(shape, T)
@@ -81,8 +80,8 @@ def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, attn
     k = max(1, math.ceil(layers_n * inp / host_budget))
     if k > layers_n:
         raise ValueError(f"auto checkpointing: {layers_n} layers need at least {inp / GiB:.1f} GiB of host memory")
-    attn = tuple(range(layers_n)) if attn_layers is None else tuple(attn_layers)
-    recurrent = max((C("recurrent_ws_factor") * r.working_set_per_token(d) * T for r in shape.recurrent), default=0.0)
+    attn = shape.attn_layers
+    recurrent = max((recurrent_layer_bytes(r, shape, T) for r in shape.recurrent), default=0.0)
     work = max(attn_working_set(shape, kernel, "offload", T, n), recurrent) + (k - 1) * (inp + out)
     room = gpu_budget * (1 - margin) - work
     if room < 0:
@@ -138,10 +137,7 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
 
     from ..cost_model.shape import shape_from_dict
     from .configure import configure_memory
-    from ..cost_model.hybrid import kinds_from_config
     shape = shape_from_dict(type(model).__name__, model.config.to_dict())
-    per_layer = kinds_from_config(model.config.to_dict())[0]  # () for a model without recurrent layers
-    attn = [i for i, k in enumerate(per_layer) if k == "attention"] if per_layer else None
     gpu_budget, host_budget = measure_budgets(model, gpu_budget, host_budget)
     if kernel is None:
         from ..kernels import fa4
@@ -150,8 +146,7 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
         from .head_chunks import head_chunk_options
         head_chunks = head_chunk_options(model)
     choice = choose_checkpointing(shape, tokens, gpu_budget, host_budget, kernel, margin=margin,
-                                  head_chunks=(head_chunks,) if isinstance(head_chunks, int) else tuple(head_chunks),
-                                  attn_layers=attn)
+                                  head_chunks=(head_chunks,) if isinstance(head_chunks, int) else tuple(head_chunks))
     cfg = configure_memory(model, "offload", offload_every_k=choice.offload_every_k, tiled_mlp=tiled_mlp,
                            selective=bool(choice.selective_layers), lean_norm=lean_norm,
                            selective_layers=choice.selective_layers or None, head_chunks=choice.head_chunks)

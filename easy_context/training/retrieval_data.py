@@ -32,7 +32,7 @@ import multiprocessing as mp
 import random
 import sys
 
-from ..haystack import PREFIX, filler_text, random_number
+from ..haystack import PREFIX, ending_ids, filler_text, random_number
 from ..loss import IGNORE_INDEX
 
 PROG = "python -m easy_context retrieval-data"
@@ -91,7 +91,7 @@ def _stream(texts, limit: int, tok) -> tuple[list[int], list[int]]:
         ids += list(tok(t + "\n\n", add_special_tokens=False)["input_ids"])
         if len(ids) >= limit:
             break
-    ends = {i for i in set(ids) if tok.decode([i]).rstrip(" \t").endswith(("\n", ".", "!", "?"))}
+    ends = ending_ids(tok, ids, ("\n", ".", "!", "?"), strip=" \t")
     return ids, [j + 1 for j, t in enumerate(ids) if t in ends]
 
 
