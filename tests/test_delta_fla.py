@@ -21,7 +21,9 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # fp32 dots in IEEE where fla leaves the choice to Triton
+# Triton's float32 dots stay at fla's own default (tf32 on tensor cores): forcing TRITON_F32_DEFAULT=ieee lowers
+# them to FMA loops whose compile did not finish one case in 290 s on an H100 (Triton 3.7.1); the bounds below are
+# relative to fla's own one-process error, so tf32 is what they measure against.
 
 try:
     import fla  # noqa: F401 (only whether it imports)
