@@ -103,7 +103,7 @@ def window_tensors(ids, begin, end, trg_len, bos):
 
 def load_documents(args, tokenizer):
     """Token-id lists of the documents to evaluate (identical on every rank)."""
-    from easy_context.training.data import load_any_dataset  # the loader train.py and prepare_data.py use
+    from easy_context_train.data import load_any_dataset  # the loader train.py and prepare_data.py use
     if args.tokenized:
         ds = load_any_dataset(args.tokenized, args.split, args.subset)
     else:

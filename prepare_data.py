@@ -45,7 +45,7 @@ def main(argv=None):
 def run(args):
     from transformers import AutoTokenizer
 
-    from easy_context.training.data import check_output_dataset, load_any_dataset, pack_documents
+    from easy_context_train.data import check_output_dataset, load_any_dataset, pack_documents
 
     if args.seq_length < 1:
         raise UsageError("--seq-length must be >= 1")
@@ -69,7 +69,7 @@ def run(args):
     bos = None if args.no_bos else tok.bos_token_id
     eos = None if args.no_eos else tok.eos_token_id
     if args.document_masking:
-        from easy_context.training.packed_data import pack_text
+        from easy_context_train.packed_data import pack_text
         return _save_rows(pack_text((r["ids"] for r in ds), args.seq_length, bos, eos), args, {})
     out = pack_documents((r["ids"] for r in ds), args.seq_length, args.output, bos, eos, progress=True)
     import datasets
@@ -80,7 +80,7 @@ def run(args):
 def run_chat(args, ds):
     from transformers import AutoTokenizer
 
-    from easy_context.training.packed_data import check_chat_tokenizer, pack_examples, render_chat
+    from easy_context_train.packed_data import check_chat_tokenizer, pack_examples, render_chat
     if args.messages_column not in ds.column_names:
         raise UsageError(f"dataset {args.dataset!r} has no {args.messages_column!r} column (columns: "
                          f"{', '.join(ds.column_names)}); --format chat needs role/content messages")
@@ -98,7 +98,7 @@ def run_chat(args, ds):
 def _save_rows(rows, args, stats):
     from tqdm.auto import tqdm
 
-    from easy_context.training.packed_data import save_rows
+    from easy_context_train.packed_data import save_rows
     rows = list(tqdm(rows, desc="packing", unit="row"))
     if not rows:
         raise UsageError(f"not enough tokens for one row of {args.seq_length + 1}")

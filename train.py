@@ -19,16 +19,16 @@ different rows. One optimizer step = `--gradient-accumulate-every` micro-batches
 token mean over the whole window (all ranks, all micro-batches): each rank backpropagates
 sum(local NLL) * world * GA / N_window, which undoes the 1/world gradient average and the 1/GA loss
 scaling of DeepSpeed/Accelerate, so the gradient is that of the global token-mean loss.
-Logic lives in easy_context/training; this file is the readable outline.
+Logic lives in easy_context_train; this file is the readable outline.
 """
 import math
 import time
 
-from easy_context.training.args import parse_args
-from easy_context.training.errors import UsageError, fail
-from easy_context.training.faults import Guard, handle_fault
-from easy_context.training.op_build import watch_op_builds
-from easy_context.training.run_dir import exit_with_parent
+from easy_context_train.args import parse_args
+from easy_context_train.errors import UsageError, fail
+from easy_context_train.faults import Guard, handle_fault
+from easy_context_train.op_build import watch_op_builds
+from easy_context_train.run_dir import exit_with_parent
 
 
 def main(argv=None):
@@ -53,19 +53,19 @@ def train(args):
 
     from easy_context import apply_seq_parallel_monkey_patch
     from easy_context.hf.route import check_config_routable
-    from easy_context.training import checkpoint as ckpt
-    from easy_context.training.data import forever, load_any_dataset, make_loader, validate_packed
-    from easy_context.training.evaluate import due, eval_loss, load_eval_rows
-    from easy_context.training.lora import apply_lora
-    from easy_context.training.metrics import JsonlLog, StepMetrics, report
-    from easy_context.training.modeling import (apply_memory_options, count_params, get_rope_theta, load_config,
+    from easy_context_train import checkpoint as ckpt
+    from easy_context_train.data import forever, load_any_dataset, make_loader, validate_packed
+    from easy_context_train.evaluate import due, eval_loss, load_eval_rows
+    from easy_context_train.lora import apply_lora
+    from easy_context_train.metrics import JsonlLog, StepMetrics, report
+    from easy_context_train.modeling import (apply_memory_options, count_params, get_rope_theta, load_config,
                                                 load_model, load_tokenizer)
-    from easy_context.training.optim import build_optimizer, configure_deepspeed, current_lr
-    from easy_context.training.plan_ahead import PlannedBatches
-    from easy_context.training.moe import aux_coef, aux_term
+    from easy_context_train.optim import build_optimizer, configure_deepspeed, current_lr
+    from easy_context_train.plan_ahead import PlannedBatches
+    from easy_context_train.moe import aux_coef, aux_term
     from easy_context.loss import IGNORE_INDEX, global_sum
-    from easy_context.training.parallel import build_layout, make_accelerator, nll_sum
-    from easy_context.training.session import open_run, resume, save_outputs
+    from easy_context_train.parallel import build_layout, make_accelerator, nll_sum
+    from easy_context_train.session import open_run, resume, save_outputs
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
     config = load_config(args.model, args.rope_theta, args)  # + --rope-scaling

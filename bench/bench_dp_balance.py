@@ -1,5 +1,5 @@
 """Data-parallel balance of packed rows (CPU): max/mean of the dp ranks' sum of squared document lengths per step,
-with the plain seeded shuffle (what DistributedSampler gives) vs training/dp_balance.py's balanced order.
+with the plain seeded shuffle (what DistributedSampler gives) vs easy_context_train/dp_balance.py's balanced order.
 
     python bench/bench_dp_balance.py [--dp 4] [--batch 1] [--seq-length 65536] [--rows 2048] [--seed 0]
 
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import table  # noqa: E402
-from easy_context.training.dp_balance import balanced_order, doc_square_sums, step_balance  # noqa: E402
+from easy_context_train.dp_balance import balanced_order, doc_square_sums, step_balance  # noqa: E402
 
 
 def sample_lengths(kind: str, g: torch.Generator) -> int:

@@ -6,7 +6,7 @@
 Both variants use the same EasyContext stack as bench_memory.py's "ours" (zigzag_ring_attn at W=1 -> kernel
 facade, chunked LM head/loss, tiled MLP, lean fused RMSNorm, fused RoPE, checkpoint offload to pinned host
 memory), batch 1, bf16 weights, random init. LoRA is applied the way train.py does it
-(easy_context.training.lora.apply_lora: after the SP patch and the memory options, adapter dropout 0).
+(easy_context_train.lora.apply_lora: after the SP patch and the memory options, adapter dropout 0).
 One step = forward + backward + optimizer step:
   full: every weight trains; AdamW with fp32 moments in host memory (bench_memory.CPUStateAdamW), since
         7B of fp32 moments (54 GB) plus weights and grads would crowd the GPU at 128K;
@@ -66,7 +66,7 @@ def step(model, base, optim, L, device):
 
 
 def run_variant(model, variant, args, device):
-    from easy_context.training.lora import apply_lora
+    from easy_context_train.lora import apply_lora
     configure(model, "ours", args.length, memory_args(args.tiny))
     if variant == "lora":
         model = apply_lora(model, SimpleNamespace(lora_rank=args.lora_rank, lora_alpha=None,

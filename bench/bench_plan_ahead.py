@@ -4,7 +4,7 @@
 
 Rows as bench_packed.py (log-normal documents, median 1500, sigma 1.5, seeds 0..rows-1). "planning here" is
 ``prepare_seq_parallel_inputs`` as train.py called it before (it plans the table); "table given" is the same call
-with the table planned ahead by training/plan_ahead.py's helper process (``dispatch=``), which is what train.py
+with the table planned ahead by easy_context_train/plan_ahead.py's helper process (``dispatch=``), which is what train.py
 does now from its second step on. Median over the rows; the ratio is the part of the critical path removed.
 """
 import argparse
@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from bench.bench_packed import doc_lengths, positions  # noqa: E402
 from easy_context import dispatch, prepare_seq_parallel_inputs  # noqa: E402
 from easy_context.registry import SEQ_ALGOS, get_mode  # noqa: E402
-from easy_context.training.plan_ahead import plan_table  # noqa: E402
+from easy_context_train.plan_ahead import plan_table  # noqa: E402
 
 
 def main():

@@ -1,6 +1,6 @@
 """Probe of `make demo`'s training recipe (issue #45) in plain PyTorch on one CPU process, with needle curves.
 
-Trains the demo's tiny Llama on the demo's own packed rows (``python -m easy_context.training.toy`` output:
+Trains the demo's tiny Llama on the demo's own packed rows (``python -m easy_context_train.toy`` output:
 ``tiny-llama``, ``data_256``, ``data_512``) with train.py's math: AdamW (betas 0.9/0.95, no weight decay), grad
 clipping 1.0, the token-mean next-token loss over the batch, documents masked by their restarting ``position_ids``
 (a block-diagonal causal mask here, ring attention in the demo). Stage 2 continues at the second length with the
@@ -10,7 +10,7 @@ the argmax at the answer positions equals the answer (what greedy generation the
 the saved theta (1e5). No DeepSpeed, no ranks: a stage-1 run of 2000 steps is about 5 minutes on one core, so
 recipes can be compared over seeds before one goes into ``make demo`` (which confirms it with real generation).
 
-    python -m easy_context.training.toy A --seq-lengths 256 512 ... (the flags of train_scripts/demo_cpu.sh)
+    python -m easy_context_train.toy A --seq-lengths 256 512 ... (the flags of train_scripts/demo_cpu.sh)
     python bench/demo_recipe_probe.py A --seed 1 --s1-steps 2000 --eval-every 250
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def stage_args(p, n, steps, lr, warmup, batch, theta):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("assets", help="output dir of easy_context.training.toy (tiny-llama, data_<L>)")
+    p.add_argument("assets", help="output dir of easy_context_train.toy (tiny-llama, data_<L>)")
     p.add_argument("--seed", type=int, default=42, help="row order (train.py's --seed)")
     p.add_argument("--lengths", type=int, nargs=2, default=[256, 512])
     stage_args(p, 1, 2000, 6e-3, 10, 8, 2e4)
@@ -54,8 +54,8 @@ def main(argv=None):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from easy_context.haystack import NeedleHaystack, read_haystack
-    from easy_context.training.modeling import set_rope_theta
-    from easy_context.training.optim import BETAS, EPS, lr_factor
+    from easy_context_train.modeling import set_rope_theta
+    from easy_context_train.optim import BETAS, EPS, lr_factor
     from eval_needle import build_jobs, check_grid, parse_args as needle_args
 
     torch.set_num_threads(a.threads)

@@ -54,7 +54,7 @@ def main(argv=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from easy_context.haystack import NeedleHaystack, filler_text, random_number
-    from easy_context.training.toy import build_tokenizer, make_corpus, make_needle_corpus
+    from easy_context_train.toy import build_tokenizer, make_corpus, make_needle_corpus
 
     torch.manual_seed(0)
     texts = make_corpus(400) + make_needle_corpus(3000, 0, 6) + [filler_text(300)]

@@ -9,7 +9,7 @@ Modes (``SEQ_ALGOS``): data_parallel, zigzag_ring_attn, dist_flash_attn, ulysses
 (easy_context/mode.py) named in registry.py, and ``register_mode("package.module:Class")`` adds one at run time.
 The object form: ``layout = ParallelLayout.build(mode, sp_size=..., ring_degree=...)`` then
 ``apply_seq_parallel_monkey_patch(model, layout)``, ``layout.prepare_inputs(...)``, ``prepare_dataloader(dl, layout)``.
-Every name is imported on first use: ``import easy_context`` (and ``easy_context.training.args``, which
+Every name is imported on first use: ``import easy_context`` (and ``easy_context_train.args``, which
 train.py parses flags with) loads neither torch nor transformers, so a bad flag fails in milliseconds, and
 no CUDA or optional package is touched at import.
 """

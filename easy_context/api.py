@@ -140,7 +140,7 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
     tag = (mode.signature(world_size, **kw), describe_layout(mode, world_size, **kw))
     # packed rows: one table for the whole batch (planned once, every tensor cut by it), or None (the fixed cut)
     table = mode.dispatch_of(world_size, positions=position_ids, dispatch=dispatch, **kw)
-    if table is not None and not isinstance(dispatch, str):  # given (training/plan_ahead.py): for these positions?
+    if table is not None and not isinstance(dispatch, str):  # given (easy_context_train/plan_ahead.py): for these positions?
         from .dispatch_table import DispatchError, fingerprint
         if table.fingerprint and table.fingerprint != fingerprint(position_ids):
             raise DispatchError("prepare_seq_parallel_inputs(dispatch=...): the table was planned for other "

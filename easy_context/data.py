@@ -55,7 +55,7 @@ class ShardedLoader:
         self.position = self._skip
 
     def _epoch_indices(self) -> list[int]:
-        """This rank's row indices of the current epoch, in order (training/dp_balance.py reorders them)."""
+        """This rank's row indices of the current epoch, in order (easy_context_train/dp_balance.py reorders them)."""
         self.sampler.set_epoch(self.epoch)
         return list(self.sampler)
 

@@ -1,7 +1,7 @@
 """Dispatch tables planned ahead in a helper process: while a step runs, one spawned process plans the next batches'
 packed-row tables (dispatch.py) with the very planner ``prepare_seq_parallel_inputs`` would run
 (``mode.dispatch_of``: same code, same inputs, so every rank still derives the same table without a collective).
-``HelperPlanner`` is what train.py's read-ahead (training/plan_ahead.py) and the Trainer integration
+``HelperPlanner`` is what train.py's read-ahead (easy_context_train/plan_ahead.py) and the Trainer integration
 (integrations/trainer.py) use; a helper that cannot start or dies falls back to planning in this process.
 """
 from __future__ import annotations

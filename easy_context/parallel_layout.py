@@ -73,7 +73,7 @@ class ParallelLayout:
     _all_groups: dict = field(default_factory=dict, repr=False)
     # packed rows: the sliding window of every attention layer of the model (hf.config.attention_window), so that the
     # dispatch's cost model caps each token's keys by it; None: full causal costs. Set before the first batch: the
-    # planner (training/plan_ahead.py) and prepare_inputs take it from layout_kw, so every rank plans alike
+    # planner (easy_context_train/plan_ahead.py) and prepare_inputs take it from layout_kw, so every rank plans alike
     dispatch_window: int | None = None
     # packed rows: ``prepare_inputs`` deals them by a cost-balanced table (dispatch.py) that the model call carries
     # (``prepared.model_kwargs``); False (or EASY_CONTEXT_PACKED_LAYOUT=pairs at build): the fixed k-pair cut
@@ -210,7 +210,7 @@ class ParallelLayout:
 
     def prepare_inputs(self, input_ids, position_ids, target_ids, device, dispatch=None):
         """``prepare_seq_parallel_inputs`` with this layout's sp rank, size and degrees; packed rows dispatched
-        (``packed_dispatch``). ``dispatch``: the table when it was planned elsewhere (training/plan_ahead.py), else
+        (``packed_dispatch``). ``dispatch``: the table when it was planned elsewhere (easy_context_train/plan_ahead.py), else
         planned here. Pass ``**prepared.model_kwargs`` to the model (the table's route to the attention)."""
         from .api import prepare_seq_parallel_inputs
         if dispatch is None and self.packed_dispatch and self.mode.dispatches:

@@ -1,4 +1,4 @@
-"""Which collective this process is in, for the fault watchdog (``easy_context/training/watchdog.py``).
+"""Which collective this process is in, for the fault watchdog (``easy_context_train/watchdog.py``).
 
 ``with phase("ring step"):`` around a blocking communication call records its name and counts an event on
 entry and exit. The watchdog reads two things: the last phase entered (named in its report: "ring step",

@@ -2,7 +2,7 @@
 
 torch's ``TCPStore`` server listens on every interface (``*:MASTER_PORT``) whatever ``MASTER_ADDR`` says, so any host
 that can reach the machine can read and write the store a run coordinates through (the rendezvous, and the
-heartbeats ``training/watchdog.py`` reads). When the address the ranks connect to is a loopback address (the
+heartbeats ``easy_context_train/watchdog.py`` reads). When the address the ranks connect to is a loopback address (the
 single-node default, ``MASTER_ADDR=127.0.0.1``), nothing outside the host needs the port: the server is bound to
 127.0.0.1 by handing TCPStore a socket bound there (``master_listen_fd``). Another ``MASTER_ADDR`` (multi-node:
 ``--main_process_ip``) keeps torch's behaviour.

@@ -48,8 +48,8 @@ def train_and_report(trainer, args) -> None:
 
 
 def tiny_tokenizer():
-    """A byte-level BPE with a chat template (easy_context.training.toy), trained on the toy corpus."""
-    from easy_context.training.toy import build_tokenizer, make_corpus
+    """A byte-level BPE with a chat template (easy_context_train.toy), trained on the toy corpus."""
+    from easy_context_train.toy import build_tokenizer, make_corpus
     out = os.path.join(tempfile.gettempdir(), "easy_context_example_tok")
     return build_tokenizer(make_corpus(200), out)
 

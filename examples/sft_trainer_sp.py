@@ -35,7 +35,7 @@ def main():
 
     tok = tiny_tokenizer() if args.tiny else AutoTokenizer.from_pretrained(args.model)
     if args.tiny:
-        from easy_context.training.toy import make_chat_corpus
+        from easy_context_train.toy import make_chat_corpus
         data = datasets.Dataset.from_dict({"messages": make_chat_corpus(400)})
     else:
         data = datasets.load_dataset(args.dataset, split=args.split)

@@ -23,9 +23,9 @@ from examples.common import (add_flags, checkpoint_args, load_model, lora, sp_op
 def documents(args, tok):
     """Token lists of documents: the toy corpus (--tiny) or a dataset's "text" column."""
     if args.tiny:
-        from easy_context.training.toy import make_corpus
+        from easy_context_train.toy import make_corpus
         return [tok(d)["input_ids"] for d in make_corpus(400)]
-    from easy_context.training.data import load_any_dataset
+    from easy_context_train.data import load_any_dataset
     return [tok(t)["input_ids"] for t in load_any_dataset(args.dataset)["text"]]
 
 

@@ -7,8 +7,10 @@ no import of the package, a fraction of a second.
     package's ``__init__`` and on ``y``; ``import a.b`` on ``a.b``. Importing ``p.q`` from outside package ``p`` also
     runs ``p/__init__``, so it depends on that too (a solver behind a package ``__init__`` is not hidden by
     importing one of the package's small modules).
-(b) No module under ``easy_context/`` outside ``easy_context/training/`` imports ``easy_context.training`` (the
-    training scripts' pieces sit on top of the library; train.py, tests, bench and examples may import them).
+(b) No module under ``easy_context/`` imports ``easy_context_train`` (train.py's library: a package of its own on top
+    of the library; train.py, the eval scripts, prepare_data.py, tests, bench and examples may import it).
+    ``python -m easy_context``'s command table names two of its commands (``retrieval-data``, ``faults``) by module
+    path and imports them only when chosen: the CLI's front door, not a library import.
 (c) No file under ``easy_context/`` is over ``MAX_LINES`` (400) lines.
 (d) No comment line under ``easy_context/`` carries a measurement: a ``#`` comment matching ``MEASURED``, i.e. a
     number followed by a time unit (``ms``, ``us``, ``s``, ``sec``, ``min``), a throughput (``tok/s``, ``tokens/s``,
@@ -20,7 +22,8 @@ no import of the package, a fraction of a second.
     ``find easy_context -name '*.py' | xargs cat | wc -l`` counts them), so the package cannot silently regrow: code
     only benchmarks or tests need lives in bench/ or tests/ (bench/dispatch_solvers.py, bench/offload_timeline.py).
     Lower the number when the package shrinks; raise it only with the reason in the commit.
-(f) No import cycle between files of ``bench/`` (the check of (a) over that folder).
+(f) No import cycle between files of ``bench/`` (the check of (a) over that folder), nor of ``easy_context_train/``,
+    whose files are also held to (c).
 
 Each rule is a function over a package directory that returns the offences; each is also run on a tiny synthetic
 package in ``tmp_path`` that breaks it, so a check that stopped seeing its offence would fail here.
@@ -37,9 +40,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "easy_context"
+TRAIN = ROOT / "easy_context_train"
 BENCH = ROOT / "bench"
 MAX_LINES = 400
-MAX_PACKAGE_LINES = 18_976  # issue #46 aims at 15,000; raised on purpose only (wave 4: retrieval-data, the fla facade, hybrid plan and auto checkpointing, Gemma 3)
+MAX_PACKAGE_LINES = 14_525  # issue #46: at most 15,000; lower it when the package shrinks, raise it only with the reason in the commit
 _NUMBER = r"\d(?:[\d,]*\d)?(?:\.\d+)?(?:e[+-]?\d+)?"
 MEASURED = re.compile(
     rf"{_NUMBER}[KM]?\s*(?:(?:ms|us|µs|s|sec|secs|seconds|min)\b"  # a time
@@ -125,15 +129,20 @@ def import_cycles(package: Path) -> list[list[str]]:
     return out
 
 
-def training_imports(package: Path) -> list[str]:
-    """``module -> imported module`` for every import of ``<package>.training`` from outside ``<package>/training/``."""
-    training = f"{package.name}.training"
+def training_imports(package: Path, training: str = "easy_context_train") -> list[str]:
+    """``module -> imported module`` for every import of ``training`` (a package outside ``package``) by a module of
+    ``package``, function-level imports included."""
     out = []
-    for name, deps in sorted(import_graph(package, entered=False).items()):
-        if name == training or name.startswith(training + "."):
-            continue
-        out += [f"{name} -> {d}" for d in sorted(deps) if d == training or d.startswith(training + ".")]
-    return out
+    for name, path in _modules(package).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                found = [node.module or ""]
+            else:
+                continue
+            out += [f"{name} -> {m}" for m in found if m == training or m.startswith(training + ".")]
+    return sorted(out)
 
 
 def long_files(package: Path, limit: int = MAX_LINES) -> list[str]:
@@ -170,12 +179,12 @@ def test_no_import_cycle():
 
 def test_only_training_imports_training():
     found = training_imports(PACKAGE)
-    assert not found, ("library modules importing easy_context.training (move what they need into the library; "
-                       "training/ may re-export it):\n" + "\n".join(found))
+    assert not found, ("library modules importing easy_context_train, train.py's library (move what they need into "
+                       "the library; easy_context_train may re-export it):\n" + "\n".join(found))
 
 
 def test_no_file_over_the_limit():
-    long = long_files(PACKAGE)
+    long = long_files(PACKAGE) + long_files(TRAIN)
     assert not long, f"files of easy_context/ over {MAX_LINES} lines (split them by concern):\n" + "\n".join(long)
 
 
@@ -185,9 +194,9 @@ def test_package_under_its_line_budget():
                                     "delete what is unused, move what only bench/ or tests/ need there")
 
 
-def test_no_import_cycle_in_bench():
-    cycles = import_cycles(BENCH)
-    assert not cycles, "import cycles between files of bench/ (function-level imports included):\n" + \
+def test_no_import_cycle_in_bench_or_train():
+    cycles = import_cycles(BENCH) + import_cycles(TRAIN)
+    assert not cycles, "import cycles between files of bench/ or easy_context_train/ (function-level imports included):\n" + \
         "\n".join(" <-> ".join(c) for c in cycles)
 
 
@@ -229,15 +238,13 @@ def test_cycle_check_sees_function_level_and_package_cycles(tmp_path):
 
 def test_training_check_sees_library_imports_of_training(tmp_path):
     pkg = _package(tmp_path, {
-        "training/__init__.py": "from ..loss import nll\n",
-        "training/parallel.py": "from . import data\n",
-        "training/data.py": "",
-        "loss.py": "def nll():\n    from .training.parallel import x\n",
-        "tools/check.py": "from easy_context.training import data\n",
+        "loss.py": "def nll():\n    from easy_context_train.parallel import x  # function level\n",
+        "tools/check.py": "import easy_context_train.data\nfrom easy_context_train import data\n",
+        "ok.py": "from .loss import nll\nimport easy_context_trainer_other\n",
     })
-    assert training_imports(pkg) == ["easy_context.loss -> easy_context.training.parallel",
-                                     "easy_context.tools.check -> easy_context.training",
-                                     "easy_context.tools.check -> easy_context.training.data"]
+    assert training_imports(pkg) == ["easy_context.loss -> easy_context_train.parallel",
+                                     "easy_context.tools.check -> easy_context_train",
+                                     "easy_context.tools.check -> easy_context_train.data"]
 
 
 def test_length_check_sees_a_file_over_the_limit(tmp_path):

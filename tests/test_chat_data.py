@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import prepare_data
-from easy_context.training.packed_data import IGNORE_INDEX, batch_targets, pack_examples, pack_text, render_chat
+from easy_context_train.packed_data import IGNORE_INDEX, batch_targets, pack_examples, pack_text, render_chat
 from tests.test_train import _ok, launch, losses
 
 SEQ = 512
@@ -17,7 +17,7 @@ SEQ = 512
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    from easy_context.training.toy import build_model, build_tokenizer, make_chat_corpus, make_corpus
+    from easy_context_train.toy import build_model, build_tokenizer, make_chat_corpus, make_corpus
     base = tmp_path_factory.mktemp("chat")
     model = str(base / "tiny-llama")
     tok = build_tokenizer(make_corpus(200) + ["user assistant system"], model)
@@ -43,7 +43,7 @@ def test_render_chat_labels_only_assistant_turns(chat):
 
 
 def test_render_chat_errors(chat):
-    from easy_context.training.errors import UsageError
+    from easy_context_train.errors import UsageError
     tok = chat["tok"]
     with pytest.raises(UsageError, match="row 7: 'messages' must be a non-empty list"):
         render_chat(tok, [], 7)
@@ -99,7 +99,7 @@ def chat_data(chat):
 def test_prepare_chat_writes_checked_rows(chat, chat_data):
     import datasets
 
-    from easy_context.training.data import validate_packed
+    from easy_context_train.data import validate_packed
     out, printed = chat_data
     assert "1 conversations longer than a row were cut" in printed, printed
     ds = datasets.load_from_disk(out)
@@ -128,8 +128,8 @@ def test_prepare_chat_and_train_errors(chat, tmp_path, capsys):
     # a dataset whose positions jump inside a document is refused by train.py's check, naming row and index
     import datasets
 
-    from easy_context.training.data import validate_packed
-    from easy_context.training.errors import UsageError
+    from easy_context_train.data import validate_packed
+    from easy_context_train.errors import UsageError
     ds = datasets.Dataset.from_list([{"input_ids": [1] * 6, "position_ids": [0, 1, 2, 0, 5, 6]}])
     with pytest.raises(UsageError, match="row 0: position_ids jump from 0 to 5 at index 4"):
         validate_packed(ds, "x", 5)
@@ -149,7 +149,7 @@ def test_chat_training_zigzag_equals_single_process(chat, chat_data, tmp_path):
 def test_prepare_text_document_masking(chat, tmp_path, capsys):
     import datasets
 
-    from easy_context.training.toy import make_corpus
+    from easy_context_train.toy import make_corpus
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_corpus(30)))
     out = str(tmp_path / "masked")
@@ -168,7 +168,7 @@ def test_prepare_text_document_masking(chat, tmp_path, capsys):
 @pytest.mark.slow
 def test_packed_resume_with_the_dispatch_planned_ahead(chat, chat_data, tmp_path):
     """train.py reads one optimizer step ahead to plan packed rows' dispatch in a helper process
-    (training/plan_ahead.py): a crash after checkpoint 2 and a resume must train steps 3-4 on the same micro-batches
+    (easy_context_train/plan_ahead.py): a crash after checkpoint 2 and a resume must train steps 3-4 on the same micro-batches
     as an uninterrupted run (the checkpoint records the data position of the batches trained on, not those read
     ahead), with GA 2 so that a whole step is in flight at the checkpoint."""
     from tests.test_train import _env

@@ -4,7 +4,7 @@ rows per step, resume from its state_dict, refusal of another dp size), and make
 import pytest
 import torch
 
-from easy_context.training.dp_balance import (BalancedLoader, balanced_order, doc_square_sums, row_costs,
+from easy_context_train.dp_balance import (BalancedLoader, balanced_order, doc_square_sums, row_costs,
                                               step_balance)
 
 
@@ -76,7 +76,7 @@ def test_loader_disjoint_resumable_and_refuses_another_dp():
 
 
 def test_make_loader_flag():
-    from easy_context.training.data import make_loader
+    from easy_context_train.data import make_loader
     ds = _ds().with_format("torch")  # as train.py's validate_packed leaves it
     from easy_context import ParallelLayout
     layout = ParallelLayout.build("zigzag_ring_attn", sp_size=1, world_size=2, rank=1)  # dp 2, this is dp rank 1

@@ -90,8 +90,8 @@ def test_families_equal_single_process(world, body):
 
 
 def test_train_keeps_the_sliding_window_unless_asked(tmp_path):
-    from easy_context.training.args import parse_args
-    from easy_context.training.modeling import load_config
+    from easy_context_train.args import parse_args
+    from easy_context_train.modeling import load_config
     from tests.model_equiv import make_config
     make_config("mistral", sliding_window=8).save_pretrained(tmp_path / "mistral")
     make_config("gemma3", sliding_window=8).save_pretrained(tmp_path / "gemma3")

@@ -29,7 +29,7 @@ TRAIN = ["--parallel_mode", "zigzag_ring_attn", "--seq-length", "128", "--max-tr
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from easy_context.training.toy import build_all
+    from easy_context_train.toy import build_all
     base = tmp_path_factory.mktemp("toy")
     return build_all(str(base), seq_lengths=(128,), n_docs=120)
 
@@ -159,8 +159,8 @@ class _Acc:
 
 
 def _save_twice(rank, world, out):
-    from easy_context.training import checkpoint as ckpt
-    from easy_context.training import run_dir
+    from easy_context_train import checkpoint as ckpt
+    from easy_context_train import run_dir
     ckpt.save_checkpoint(_Acc(rank, world), out, 1, run_id="r")
     with pytest.raises(ckpt.CheckpointWriteError) as e:  # rank 1's disk fills: every rank raises, none hangs
         ckpt.save_checkpoint(_Acc(rank, world, full=rank == 1), out, 2, run_id="r")
@@ -179,7 +179,7 @@ def test_full_disk_on_one_rank_keeps_the_previous_checkpoint(tmp_path):
 
 
 def test_full_disk_message_names_path_space_and_fix(tmp_path):
-    from easy_context.training import checkpoint as ckpt
+    from easy_context_train import checkpoint as ckpt
     ckpt.save_checkpoint(_Acc(), str(tmp_path), 1, run_id="r")
     with pytest.raises(ckpt.CheckpointWriteError) as e:
         ckpt.save_checkpoint(_Acc(full=True), str(tmp_path), 2, run_id="r")
@@ -192,8 +192,8 @@ def test_full_disk_message_names_path_space_and_fix(tmp_path):
 
 # ------------------------------------------------------------------------------- fast unit tests
 def test_collective_timeout_flag_and_backstop():
-    from easy_context.training.args import duration
-    from easy_context.training.watchdog import backstop_timeout, heartbeat_interval
+    from easy_context_train.args import duration
+    from easy_context_train.watchdog import backstop_timeout, heartbeat_interval
     assert [duration(x) for x in ("90", "90s", "10m", "1.5h")] == [90, 90, 600, 5400]
     assert backstop_timeout(600) == 660 and backstop_timeout(8) == 18  # torch's timeout comes after ours
     assert heartbeat_interval(8) == 0.8 and heartbeat_interval(3600) == 10
@@ -202,7 +202,7 @@ def test_collective_timeout_flag_and_backstop():
 def test_oom_message_without_a_gpu(tmp_path):
     from types import SimpleNamespace
 
-    from easy_context.training.faults import oom_message
+    from easy_context_train.faults import oom_message
     args = SimpleNamespace(model="llama-2-7b", seq_length=262144, parallel_mode="zigzag_ring_attn", sp_size=None,
                            batch_size=1, checkpointing="layer", chunked_loss=False, tiled_mlp=True, ring_degree=None,
                            gradient_accumulate_every=4)
@@ -223,7 +223,7 @@ def test_watchdog_names_the_silent_rank(monkeypatch):
 
     import torch.distributed as dist
 
-    from easy_context.training.watchdog import Watchdog
+    from easy_context_train.watchdog import Watchdog
     port = free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))  # noqa: F841
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -279,7 +279,7 @@ def _worker_tracebacks(log: str) -> list[str]:
 @pytest.fixture(scope="module")
 def zero3_chain(toy, tmp_path_factory):
     """One output dir through four launches under ZeRO-3 (each a case of #47); the tests below read the logs."""
-    from easy_context.training.toy import build_model
+    from easy_context_train.toy import build_model
     base = tmp_path_factory.mktemp("z3")
     out, other = base / "run", base / "other-model"
     build_model(str(other), vocab_size=384, hidden=32)  # another architecture, the same vocabulary

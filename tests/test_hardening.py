@@ -38,12 +38,12 @@ def _fails(fn, capsys, needle, code=2):
     (["--resume", "--overwrite-output-dir"], "pass one"),
 ])
 def test_bad_flags_are_one_line(extra, needle, capsys, tmp_path):
-    from easy_context.training.args import parse_args
+    from easy_context_train.args import parse_args
     _fails(lambda: parse_args(["--output-dir", str(tmp_path / "o"), *extra]), capsys, needle)
 
 
 def test_unusable_output_dir_and_model_paths(capsys, tmp_path):
-    from easy_context.training.args import parse_args
+    from easy_context_train.args import parse_args
     f = tmp_path / "a_file"
     f.write_text("x")
     _fails(lambda: parse_args(["--output-dir", str(f)]), capsys, "is a file, not a directory")
@@ -60,8 +60,8 @@ def test_rope_theta_unset_keeps_the_models_own(tmp_path):
     """The #18 bug: --rope-theta defaulted to 1e5 and was written into every config (Llama-3 is 5e5)."""
     from transformers import LlamaConfig
 
-    from easy_context.training.args import parse_args
-    from easy_context.training.modeling import get_rope_theta, load_config
+    from easy_context_train.args import parse_args
+    from easy_context_train.modeling import get_rope_theta, load_config
     LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 vocab_size=64, rope_theta=500000.0).save_pretrained(tmp_path / "m")
     args = parse_args(["--output-dir", str(tmp_path / "o"), "--model", str(tmp_path / "m")])
@@ -73,7 +73,7 @@ def test_rope_theta_unset_keeps_the_models_own(tmp_path):
 # ------------------------------------------------------------------------------- 1, 9. prepare_data
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from easy_context.training.toy import build_tokenizer, make_corpus
+    from easy_context_train.toy import build_tokenizer, make_corpus
     d = tmp_path_factory.mktemp("tok")
     build_tokenizer(make_corpus(20), str(d))
     return str(d)
@@ -116,8 +116,8 @@ def test_prepare_data_unreadable_inputs_are_one_line(tok, tmp_path, capsys):
 
 
 def test_train_data_errors_are_one_line(tmp_path):
-    from easy_context.training.data import load_any_dataset, validate_packed
-    from easy_context.training.errors import UsageError
+    from easy_context_train.data import load_any_dataset, validate_packed
+    from easy_context_train.errors import UsageError
     s = tmp_path / "strids.jsonl"
     s.write_text(json.dumps({"input_ids": "abc"}) + "\n")
     with pytest.raises(UsageError, match="must be lists of token ids"):
@@ -130,7 +130,7 @@ def test_train_data_errors_are_one_line(tmp_path):
 
 # ------------------------------------------------------------------------------- 5. torn metrics line
 def test_torn_metrics_tail_is_tolerated(tmp_path):
-    from easy_context.training.metrics import JsonlLog
+    from easy_context_train.metrics import JsonlLog
     p = tmp_path / "metrics.jsonl"
     p.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
     JsonlLog(str(p), True, resume_step=2)
@@ -150,7 +150,7 @@ class _FakeAccelerator:
 
 
 def test_pruning_touches_only_this_runs_checkpoints(tmp_path):
-    from easy_context.training import checkpoint as ckpt
+    from easy_context_train import checkpoint as ckpt
     acc = _FakeAccelerator()
     for step in (10, 20):  # an older run with later step numbers
         ckpt.save_checkpoint(acc, str(tmp_path), step, keep=5, run_id="old")
@@ -162,8 +162,8 @@ def test_pruning_touches_only_this_runs_checkpoints(tmp_path):
 def test_fresh_run_into_another_runs_dir_is_refused(tmp_path):
     from types import SimpleNamespace
 
-    from easy_context.training import run_dir
-    from easy_context.training.errors import UsageError
+    from easy_context_train import run_dir
+    from easy_context_train.errors import UsageError
     args = SimpleNamespace(resume=False, overwrite_output_dir=False)
     run_dir.check_run(str(tmp_path), args, [])  # empty dir: fine
     with pytest.raises(UsageError, match=r"holds checkpoints of an earlier run \(steps 5\); pass --resume"):
@@ -172,8 +172,8 @@ def test_fresh_run_into_another_runs_dir_is_refused(tmp_path):
 
 
 def test_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
-    from easy_context.training import checkpoint as ckpt
-    from easy_context.training import run_dir
+    from easy_context_train import checkpoint as ckpt
+    from easy_context_train import run_dir
     acc = _FakeAccelerator()
     for step in (1, 2, 3):
         ckpt.save_checkpoint(acc, str(tmp_path), step, keep=5, run_id="r")
@@ -191,8 +191,8 @@ def test_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
 
 # ------------------------------------------------------------------------------- 3. lock, launcher death
 def test_output_dir_lock_and_stale_takeover(tmp_path):
-    from easy_context.training import run_dir
-    from easy_context.training.errors import UsageError
+    from easy_context_train import run_dir
+    from easy_context_train.errors import UsageError
     a = run_dir.RunLock(str(tmp_path)).acquire()
     with pytest.raises(UsageError, match=f"in use by another run \\(pid {os.getpid()}"):
         run_dir.RunLock(str(tmp_path)).check()
@@ -211,7 +211,7 @@ def test_output_dir_lock_and_stale_takeover(tmp_path):
 
 _LAUNCHER = """
 import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "from easy_context.training.run_dir import exit_with_parent; "
+child = subprocess.Popen([sys.executable, "-c", "from easy_context_train.run_dir import exit_with_parent; "
                           "exit_with_parent(); import time; time.sleep(60)"], env=dict(os.environ, LOCAL_RANK="0"))
 print(child.pid, flush=True)
 time.sleep(60)

@@ -235,7 +235,7 @@ def _hybrid_toy(base: str, family: str) -> dict:
 
     from transformers import AutoTokenizer
 
-    from easy_context.training.toy import build_all
+    from easy_context_train.toy import build_all
     paths = build_all(base, seq_lengths=(128,), n_docs=120, document_masking=True)
     out = os.path.join(base, family)
     shutil.copytree(paths["model"], out, ignore=shutil.ignore_patterns("*.safetensors", "config.json",

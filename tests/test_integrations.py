@@ -31,7 +31,7 @@ def test_full_rows_shift_mask_and_filler():
     assert p.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
     assert tgt.tolist() == [[11, 12, -100, 14, 15, 16, -100, -100]]  # shifted, none across a document start
     # the same as train.py's batch_targets on a row with one more (filler) token
-    from easy_context.training.packed_data import batch_targets
+    from easy_context_train.packed_data import batch_targets
     row = {"input_ids": torch.cat([inp, torch.zeros(1, 1, dtype=torch.long)], 1),
            "labels": torch.cat([torch.tensor([[-100, 11, 12, 13, 14, 15, 16, -100]]), torch.tensor([[-100]])], 1),
            "position_ids": torch.cat([p, torch.zeros(1, 1, dtype=torch.long)], 1)}
@@ -74,7 +74,7 @@ def test_options_errors():
 def assets(tmp_path_factory):
     """The tokenizer (with a chat template) and the one-process reference curves."""
     import time
-    from easy_context.training.toy import build_tokenizer, make_corpus
+    from easy_context_train.toy import build_tokenizer, make_corpus
     root = tmp_path_factory.mktemp("integrations")
     tok = str(root / "tok")
     t0 = time.time()
@@ -198,8 +198,8 @@ def _train_py_loop(rank, world_size, tok, root, refs):
 
     from easy_context.integrations import enable_sequence_parallel
     from easy_context.loss import IGNORE_INDEX, global_sum
-    from easy_context.training.packed_data import batch_targets
-    from easy_context.training.parallel import nll_sum
+    from easy_context_train.packed_data import batch_targets
+    from easy_context_train.parallel import nll_sum
     from tests import trainer_cases as tc
 
     t = tc.make_trainer("trainer", tok, os.path.join(root, f"w{world_size}-trainpy"))

@@ -95,7 +95,7 @@ def test_registry_lists_and_errors(toy):
         get_mode("nope")
     with pytest.raises(ValueError, match="built-in"):
         unregister_mode("zigzag_ring_attn")
-    from easy_context.training.args import build_parser  # --parallel_mode's choices come from the registry
+    from easy_context_train.args import build_parser  # --parallel_mode's choices come from the registry
     assert build_parser().parse_args(["--output-dir", "o", "--parallel_mode", "toy_ring"]).parallel_mode == "toy_ring"
 
 
@@ -143,8 +143,8 @@ def _toy_body(rank, world_size):
     from easy_context import apply_seq_parallel_monkey_patch
     from easy_context.inference import SeqParallelLM
     from easy_context.loss import token_nll_sum
-    from easy_context.training.data import make_loader
-    from easy_context.training.packed_data import batch_targets
+    from easy_context_train.data import make_loader
+    from easy_context_train.packed_data import batch_targets
     from tests.model_equiv import build_model
 
     register_mode(TOY)  # the one registry line, in every rank

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from easy_context.training.moe import aux_coef, router_aux_loss
+from easy_context_train.moe import aux_coef, router_aux_loss
 from tests.model_equiv import build_model
 from tests.test_train import TOY, _ok, launch, metrics, toy  # noqa: F401  (fixture)
 
@@ -20,8 +20,8 @@ def test_aux_loss_equals_hf_in_one_process(family):
 
 
 def test_aux_flag_checks(tmp_path):
-    from easy_context.training.args import parse_args
-    from easy_context.training.errors import UsageError
+    from easy_context_train.args import parse_args
+    from easy_context_train.errors import UsageError
     base = ["--model", "m", "--dataset", "d", "--output-dir", str(tmp_path / "o")]
     llama, mixtral = build_model("llama").config, build_model("mixtral").config
     with pytest.raises(UsageError, match="--router-aux-loss-coef: LlamaConfig has no num_local_experts"):

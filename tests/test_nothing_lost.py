@@ -31,7 +31,7 @@ def _one_line(fn, capsys, needle, code=2) -> str:
 # ------------------------------------------------------------------------------- 1. prepare_data's neighbours
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from easy_context.training.toy import build_tokenizer, make_corpus
+    from easy_context_train.toy import build_tokenizer, make_corpus
     d = tmp_path_factory.mktemp("tok")
     build_tokenizer(make_corpus(20), str(d))
     return str(d)
@@ -62,7 +62,7 @@ def test_1_a_killed_prepare_data_is_recovered_not_lost(tmp_path):
     """A run killed between moving the old dataset aside and renaming the new one: the next run puts it back."""
     import socket
 
-    from easy_context.training.data import recover_scratch
+    from easy_context_train.data import recover_scratch
     out = tmp_path / "ds"
     work = tmp_path / ".ds.prepare-abc123"
     (work / "old").mkdir(parents=True)
@@ -80,8 +80,8 @@ def test_2_fresh_run_into_a_finished_dir_is_refused(tmp_path):
     """What every recipe stage leaves: the final model, run.json, metrics.jsonl, no checkpoints/."""
     from types import SimpleNamespace
 
-    from easy_context.training import run_dir
-    from easy_context.training.errors import UsageError
+    from easy_context_train import run_dir
+    from easy_context_train.errors import UsageError
     for name in ("config.json", "model.safetensors", "metrics.jsonl"):
         (tmp_path / name).write_text("{}\n")
     run_dir.atomic_write_json(str(tmp_path / "run.json"), {"run_id": "abc", "flags": {}})
@@ -105,7 +105,7 @@ def test_2_fresh_run_into_a_finished_dir_is_refused(tmp_path):
 def test_3_gloo_errors_from_deepspeeds_collectives_are_recognised():
     """gloo raises a plain RuntimeError inside DeepSpeed's ZeRO-3 collectives (no phase of ours around them); the
     fault handler finds the call in the traceback (the launch itself: tests/test_faults.py, zero3 chain)."""
-    from easy_context.training.faults import failed_collective
+    from easy_context_train.faults import failed_collective
     ns: dict = {}
     exec(compile("def reduce_scatter_single():\n    raise RuntimeError('[/gloo/transport/tcp/pair.cc:537] Read error "
                  "[127.0.0.1]:40363: Connection reset by peer. This is typically caused by')",
@@ -135,8 +135,8 @@ class _Acc:
 
 
 def _open(tmp_path, config, *extra, world=2):
-    from easy_context.training.args import parse_args
-    from easy_context.training.session import open_run
+    from easy_context_train.args import parse_args
+    from easy_context_train.session import open_run
     args = parse_args(["--model", "m", "--dataset", "d", "--output-dir", str(tmp_path / "out"), "--seq-length", "128",
                        *extra])
     acc = _Acc(world)
@@ -151,8 +151,8 @@ def test_4_resume_refuses_changed_flags_and_another_model(tmp_path, capsys):
     from transformers import LlamaConfig
 
     from easy_context.hf.config import set_rope_theta
-    from easy_context.training.errors import UsageError
-    from easy_context.training.run_dir import read_run
+    from easy_context_train.errors import UsageError
+    from easy_context_train.run_dir import read_run
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=384)
     run_id, _ = _open(tmp_path, cfg)
@@ -198,7 +198,7 @@ def _final_save_fails(rank, world, out):
     import resource
     import signal
 
-    from easy_context.training import checkpoint as ckpt
+    from easy_context_train import checkpoint as ckpt
 
     def write(tmp):
         os.makedirs(tmp, exist_ok=True)
@@ -242,8 +242,8 @@ def test_5_disk_full_in_the_final_save_is_one_error_on_every_rank(tmp_path):
 def test_6_token_ids_outside_the_vocabulary_are_refused(tmp_path):
     import datasets
 
-    from easy_context.training.data import load_any_dataset, validate_packed
-    from easy_context.training.errors import UsageError
+    from easy_context_train.data import load_any_dataset, validate_packed
+    from easy_context_train.errors import UsageError
     ok = [list(range(9)), list(range(10, 19))]
     for rows, needle in (([ok[0], [5, 6, 999999, 7, 8, 9, 1, 2, 3]], r"row 1: token id 999999 at index 2 is outside the "
                                                                     r"vocabulary of --model m \(vocab_size 384: ids 0..383\)"),
@@ -275,9 +275,9 @@ class _SaveAcc:
 
 
 def test_8_another_runs_checkpoint_of_the_same_step_is_never_replaced(tmp_path):
-    from easy_context.training import checkpoint as ckpt
-    from easy_context.training import run_dir
-    from easy_context.training.errors import UsageError
+    from easy_context_train import checkpoint as ckpt
+    from easy_context_train import run_dir
+    from easy_context_train.errors import UsageError
     out = str(tmp_path / "out")
     ckpt.save_checkpoint(_SaveAcc(b"o"), out, 10, keep=5, run_id="old")
     ckpt.save_checkpoint(_SaveAcc(b"n"), out, 4, keep=5, run_id="new")
@@ -299,7 +299,7 @@ def test_8_another_runs_checkpoint_of_the_same_step_is_never_replaced(tmp_path):
 
 # ------------------------------------------------------------------------------- 9. every path checked first
 def test_9_unwritable_log_file_is_one_line_before_anything_loads(tmp_path, capsys):
-    from easy_context.training.args import parse_args
+    from easy_context_train.args import parse_args
     out = str(tmp_path / "out")
     f = tmp_path / "a_file"
     f.write_text("x")
@@ -345,7 +345,7 @@ def test_10_plan_doc_median_longer_than_the_row(capsys):
 _LOADER = """
 import sys
 if sys.argv[1] == "watch":
-    from easy_context.training.op_build import watch_op_builds
+    from easy_context_train.op_build import watch_op_builds
     watch_op_builds(1.0, interval=0.2)
 from deepspeed.ops.op_builder import CPUAdamBuilder
 CPUAdamBuilder().load()  # waits on TORCH_EXTENSIONS_DIR/cpu_adam/lock as every DeepSpeed launch does
@@ -381,7 +381,7 @@ def test_12_stale_op_build_lock_is_one_line_not_a_silent_hang(tmp_path):
 def test_12_lock_holders_are_found_in_proc(tmp_path):
     import threading
 
-    from easy_context.training.op_build import holders, stale_age, waited_lock
+    from easy_context_train.op_build import holders, stale_age, waited_lock
     lock = tmp_path / "py311_cpu" / "op" / "lock"
     lock.parent.mkdir(parents=True)
     lock.write_text("")
@@ -402,7 +402,7 @@ def test_11_watchdog_never_signals_a_pid_only_a_heartbeat_names(monkeypatch):
 
     import torch.distributed as dist
 
-    from easy_context.training.watchdog import Watchdog
+    from easy_context_train.watchdog import Watchdog
     from easy_context.tools.gloo import free_port
     port = free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))  # noqa: F841
@@ -478,7 +478,7 @@ def _adam_run(steps, resume_at=None, resync=True):
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from easy_context.training.checkpoint import resync_cpu_adam
+    from easy_context_train.checkpoint import resync_cpu_adam
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(4096, generator=g))
     grads = [torch.randn(4096, generator=g) for _ in range(steps)]

@@ -1,4 +1,4 @@
-"""train.py's read-ahead (training/plan_ahead.py): the next step's packed-row dispatch planned in a helper process.
+"""train.py's read-ahead (easy_context_train/plan_ahead.py): the next step's packed-row dispatch planned in a helper process.
 
 The tables must be the ones prepare_seq_parallel_inputs would plan itself, the checkpointed data position must be
 that of the batches handed out (not the ones read ahead), and a lost helper or a table of another batch must never
@@ -10,8 +10,8 @@ import torch
 from easy_context import prepare_seq_parallel_inputs
 from easy_context.dispatch import DISPATCH_KWARG, DispatchError
 from easy_context.registry import SEQ_ALGOS, get_mode
-from easy_context.training import plan_ahead
-from easy_context.training.plan_ahead import PlannedBatches, plan_table
+from easy_context_train import plan_ahead
+from easy_context_train.plan_ahead import PlannedBatches, plan_table
 
 # a ring mode whose cut deals packed rows by cost (no extra degrees)
 MODE = next(get_mode(n) for n in SEQ_ALGOS if get_mode(n).dispatches and not get_mode(n).degree_kwargs)
@@ -156,14 +156,14 @@ def test_trainer_windows_get_the_next_windows_tables_from_the_helper(monkeypatch
 
 def test_the_models_window_reaches_the_helpers_planner_and_the_cut_alike():
     """A model whose every attention layer is windowed (hf.config.attention_window): train.py's layout
-    (training/parallel.build_layout(..., config)) carries the window, the helper plans with it, and
+    (easy_context_train/parallel.build_layout(..., config)) carries the window, the helper plans with it, and
     prepare_inputs cuts by the same table. Long documents then deal by their windowed cost, not their causal square:
     another table than the window-blind one. Models mixing global and local layers, or without a window: None."""
     import transformers as tf
 
     from easy_context.hf.config import attention_window
     from easy_context.parallel_layout import ParallelLayout
-    from easy_context.training.parallel import build_layout
+    from easy_context_train.parallel import build_layout
     small = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
                  intermediate_size=64, vocab_size=64)
     assert attention_window(tf.MistralConfig(sliding_window=256, **small)) == 256

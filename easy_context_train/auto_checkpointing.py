@@ -52,7 +52,7 @@ def prepare_reserve(model, ds_config: dict | None, world: int) -> tuple[float, f
     """(GPU, host) bytes per rank that ``accelerator.prepare`` and the optimizer will still allocate, beyond what
     ``memory.auto.measure_budgets`` counts (the gradients to come). ``ds_config``: DeepSpeed's config dict, or None
     (plain Accelerate: the weights move to the GPU, AdamW keeps two moments like the trainable ones)."""
-    from ..cost_model.constants import C
+    from easy_context.cost_model.constants import C
     params = list(model.parameters())
     if ds_config is None:
         on_cpu = sum(p.numel() * p.element_size() for p in params if p.device.type != "cuda")
@@ -81,7 +81,7 @@ def agree_budgets(budgets) -> tuple[float, float]:
 
 def rank_budgets(model, args, accelerator) -> tuple[float, float]:
     """This rank's (GPU, host) bytes for activations and offloaded checkpoints (module docstring)."""
-    from ..memory.auto import measure_budgets
+    from easy_context.memory.auto import measure_budgets
     if args.gpu_budget_gib is None and accelerator.device.type != "cuda":
         raise UsageError("--checkpointing auto on a CPU run needs --gpu-budget-gib G (the GPU memory per rank to plan "
                          "for): there is no free GPU memory to measure")
@@ -111,7 +111,7 @@ def _gather_budgets(gpu: float, host: float, device) -> list[tuple[float, float]
 def apply_auto_checkpointing(model, args, layout, accelerator, head_chunks="auto"):
     """Choose (on the budgets agreed over all ranks) and apply offloaded checkpointing for this run's local tokens;
     print the choice once and record it in OUTPUT_DIR/run.json (and wandb's config). Returns the CheckpointChoice."""
-    from ..memory.auto import MARGIN, auto_checkpointing
+    from easy_context.memory.auto import MARGIN, auto_checkpointing
     tokens = args.seq_length * args.batch_size // layout.sp
     budgets = _gather_budgets(*rank_budgets(model, args, accelerator), accelerator.device)
     gpu, host = agree_budgets(budgets)

@@ -148,7 +148,7 @@ def write_final(accelerator, output_dir: str, write, last: str, need: int = 0) -
     ``FinalSaveError`` (the main process's says which path, the space, the last checkpoint and what to do)."""
     import torch.distributed as dist
 
-    from ..phase import TRACKER, phase
+    from easy_context.phase import TRACKER, phase
     tmp = os.path.join(output_dir, FINAL_TMP)
     err = None
     if accelerator.is_main_process:
@@ -193,7 +193,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
     Written into ``.tmp-step-*`` and renamed when every rank's part is on disk. A write that fails on any rank
     (disk full, quota, read-only) is agreed on by all ranks: the temp dir is removed, the previous checkpoint
     stays the latest, and every rank raises ``CheckpointWriteError``."""
-    from ..phase import phase
+    from easy_context.phase import phase
     from .run_dir import run_of, write_manifest
     final = os.path.join(ckpt_root(output_dir), f"step-{step:07d}")
     parent, name = os.path.split(final)
@@ -273,7 +273,7 @@ def crash_point(where: str, step: int) -> None:
 
 def load_checkpoint(accelerator, path: str) -> dict:
     """Restore model/optimizer/scheduler/RNG from ``path``; returns train_state.json (``step``, ``data``)."""
-    from ..phase import TRACKER
+    from easy_context.phase import TRACKER
     accelerator.load_state(path)
     resync_cpu_adam(accelerator)  # DeepSpeed's CPU Adam: the same bias-correction bits as an unbroken run
     with open(os.path.join(path, "train_state.json")) as f:

@@ -2,7 +2,7 @@
 The loss itself, equal to one process under sequence parallelism, is library code (easy_context/moe.py)."""
 from __future__ import annotations
 
-from ..moe import num_experts, router_aux_loss
+from easy_context.moe import num_experts, router_aux_loss
 
 
 def aux_coef(config, args) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loss import nll_sum  # noqa: F401 (library code; train.py imports it from here)
+from easy_context.loss import nll_sum  # noqa: F401 (library code; train.py imports it from here)
 from .errors import UsageError
 
 

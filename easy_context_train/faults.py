@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-from ..phase import TRACKER
+from easy_context.phase import TRACKER
 from .checkpoint import CheckpointWriteError, injected, latest_checkpoint
 from .leave import PROG, _leave
 from .preempt import Preemption
@@ -38,7 +38,7 @@ class Guard:
         world = accelerator.num_processes
         self.watchdog = Watchdog(accelerator.process_index, world, args.timeout, PROG) if world > 1 else None
         if self.watchdog:
-            from ..phase import tick
+            from easy_context.phase import tick
             layers = [m for m in (model.modules() if model is not None else ())
                       if type(m).__name__.endswith("DecoderLayer")]
             for m in layers:  # recomputed in backward under checkpointing
@@ -135,7 +135,7 @@ def oom_message(args, step: int) -> str:
     """The length, the options in use, and what ``python -m easy_context plan`` suggests for this shape."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    from ..registry import get_mode
+    from easy_context.registry import get_mode
     sp = args.sp_size or (world if get_mode(args.parallel_mode).is_parallel else 1)
     opts = [f"--seq-length {args.seq_length}", f"--parallel_mode {args.parallel_mode}", f"sp {sp} x dp {world // sp}",
             f"--batch-size {args.batch_size}", f"--checkpointing {args.checkpointing}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loss import global_sum
+from easy_context.loss import global_sum
 from .data import load_any_dataset, validate_packed
 from .packed_data import IGNORE_INDEX, batch_targets
 from .parallel import nll_sum

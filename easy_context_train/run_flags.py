@@ -61,7 +61,7 @@ def architecture(config, args) -> dict:
 
 
 def identity(args, config, world: int) -> dict:
-    from ..registry import get_mode
+    from easy_context.registry import get_mode
     mode = get_mode(args.parallel_mode)
     sp = args.sp_size or (world if mode.is_parallel else 1)
     rec = {"model": args.model, "tokenizer": tokenizer_id(args.model), "dataset": args.dataset,
@@ -72,7 +72,7 @@ def identity(args, config, world: int) -> dict:
            "learning_rate": args.learning_rate, "lr_schedule": args.lr_schedule, "warmup_steps": args.warmup_steps,
            "processes": world}
     if config is not None:
-        from ..hf.config import get_rope_theta
+        from easy_context.hf.config import get_rope_theta
         rec["rope_theta"] = get_rope_theta(config)  # the theta trained with (the model's own when the flag is unset)
         rec["architecture"] = architecture(config, args)
     return rec

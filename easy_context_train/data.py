@@ -64,7 +64,7 @@ def _load_any_dataset(name: str, split: str = "train", subset: str | None = None
     return ds
 
 
-OPTIONAL = ("labels", "position_ids")  # packed documents / chat data (training/packed_data.py)
+OPTIONAL = ("labels", "position_ids")  # packed documents / chat data (easy_context_train/packed_data.py)
 
 
 def validate_packed(ds, name: str, seq_length: int, vocab_size: int | None = None, model: str | None = None):
@@ -310,7 +310,7 @@ def make_loader(ds, layout, batch_size: int, seq_length: int, seed: int, acceler
     """Rows sharded over data-parallel ranks only (``easy_context.data.prepare_dataloader``); the sp ranks
     of one group get the same rows. Seeded per-epoch shuffle; ``state_dict()`` gives the data position.
     ``balance`` ("auto": when rows are packed, i.e. have position_ids, and dp > 1; "on"; "off"): every dp rank gets
-    about the same sum of squared document lengths per step (training/dp_balance.py)."""
+    about the same sum of squared document lengths per step (easy_context_train/dp_balance.py)."""
     from torch.utils.data import DataLoader
 
     from easy_context.data import prepare_dataloader

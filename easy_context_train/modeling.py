@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from ..hf.config import (LLAMA3_FREQ_FACTORS, ROPE_SCALINGS, check_rope_for_sp, get_rope_theta,  # noqa: F401
+from easy_context.hf.config import (LLAMA3_FREQ_FACTORS, ROPE_SCALINGS, check_rope_for_sp, get_rope_theta,  # noqa: F401
                          set_rope_scaling, set_rope_theta)  # training's and eval's one definition (re-exported)
 from .errors import UsageError
 
@@ -74,7 +74,7 @@ def no_decay_names(model) -> set:
 def apply_memory_options(model, args, layout=None, accelerator=None):
     """--checkpointing / --tiled-mlp / --fused-ops (--chunked-loss acts in the loss). ``--checkpointing auto`` needs
     the ``layout`` (local tokens per rank) and the ``accelerator`` (budgets agreed over all ranks: collective on
-    every rank; training/auto_checkpointing.py) and returns its CheckpointChoice; otherwise None."""
+    every rank; easy_context_train/auto_checkpointing.py) and returns its CheckpointChoice; otherwise None."""
     from easy_context.memory import configure_memory
     from easy_context.ops import apply_fused_ops
 

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from ..phase import TRACKER
+from easy_context.phase import TRACKER
 
 EXIT_LOST_RANK = 4
 

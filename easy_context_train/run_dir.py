@@ -22,7 +22,7 @@ import time
 import uuid
 import warnings
 
-from ..paths import check_writable_dir, check_writable_file  # noqa: F401 (shared with the evals)
+from easy_context.paths import check_writable_dir, check_writable_file  # noqa: F401 (shared with the evals)
 from .errors import UsageError
 
 RUN_FILE, LOCK_FILE, MANIFEST = "run.json", "run.lock", "manifest.json"
@@ -202,7 +202,7 @@ class RunLock:
             self.held = False
 
 
-from ..dispatch_ahead import signal_on_parent_death  # noqa: E402  (one copy, in the library)
+from easy_context.dispatch_ahead import signal_on_parent_death  # noqa: E402  (one copy, in the library)
 
 
 def exit_with_parent() -> None:

@@ -16,7 +16,7 @@ pad tokens with labels -100.
 """
 from __future__ import annotations
 
-from ..loss import IGNORE_INDEX
+from easy_context.loss import IGNORE_INDEX
 from .errors import UsageError
 
 ROLES = ("system", "user", "assistant", "tool")

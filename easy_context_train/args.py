@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..registry import DEFAULT_MODE, get_mode, mode_names, modes_taking
+from easy_context.registry import DEFAULT_MODE, get_mode, mode_names, modes_taking
 from .errors import UsageError, fail
 
 CHECKPOINTING = ("layer", "selective", "offload", "nested", "none", "auto")
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="activation checkpointing: per layer (HF), selective (keep attention output), offload (kept layer "
       "inputs in host memory), nested (one kept input per --offload-every-k layers), none, or auto: offload with k "
       "and selective layers chosen from each rank's GPU and host memory, the same on every rank (turns on "
-      "--chunked-loss and --tiled-mlp, which its memory model assumes; easy_context/training/auto_checkpointing.py)")
+      "--chunked-loss and --tiled-mlp, which its memory model assumes; easy_context_train/auto_checkpointing.py)")
     a("--offload-every-k", type=int, default=None, help="offload/nested: keep one layer input per k layers (default 1)")
     a("--gpu-budget-gib", type=float, default=None, help="--checkpointing auto: GPU memory per rank for activations "
       "(weights, gradients, optimizer state excluded); default: measured (needed on a machine without CUDA)")
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
       "Gemma 3's local layers); by default the window is kept: exact under every mode")
     a("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
       help="lean fused RMSNorm + fused RoPE (torch.compile kernels on CUDA; exact eager math on CPU)")
-    # LoRA (easy_context/training/lora.py, via peft)
+    # LoRA (easy_context_train/lora.py, via peft)
     a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of the full model (0 = off)")
     a("--lora-alpha", type=float, default=None, help="LoRA alpha (scaling alpha / rank); default: 2 x --lora-rank")
     a("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lora-train-embeddings-norms", action="store_true",
       help="also train (and save with the adapter) the input embeddings and every norm (LongLoRA's recipe)")
     a("--merge-lora", action="store_true", help="final save: also the merged full model (adapter in OUTPUT_DIR/adapter)")
-    # held-out loss (easy_context/training/evaluate.py)
+    # held-out loss (easy_context_train/evaluate.py)
     a("--eval-dataset", default=None, help="prepared dataset (like --dataset) whose first --eval-rows rows give "
       "eval_loss, the token-mean NLL under the same sp layout; evaluated every --eval-every steps and at the end")
     a("--eval-every", type=int, default=0, help="evaluate every N optimizer steps (0 = only after the last step)")

@@ -5,7 +5,7 @@
 
 Each case runs what a user runs (``train.py``, ``prepare_data.py``, ``python -m easy_context plan``; ``--full``:
 ``python -m easy_context launch --config_file accelerate_configs/cpu.yaml train.py``, 2 CPU gloo ranks) on a tiny
-local Llama and corpus (``training/toy.py``, no downloads) and prints one markdown row: the case, the line the user
+local Llama and corpus (``easy_context_train/toy.py``, no downloads) and prints one markdown row: the case, the line the user
 sees, the exit status (under a launcher: every worker's), and whether that is what docs/faults.md promises. Faults of
 a running job are injected with ``EASY_CONTEXT_CRASH`` (docs/faults.md, "Testing hooks") or signals. Exit status 0
 when every case behaved as documented, 1 otherwise. Needs the repository checkout (train.py next to the package).
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from ..registry import PLAIN_MODE
+from easy_context.registry import PLAIN_MODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (train.py)
 TRAIN = ["--parallel_mode", PLAIN_MODE, "--seq-length", "128", "--gradient-accumulate-every", "1",

@@ -104,7 +104,7 @@ def first_reporter() -> bool:
     is in that host's cache)."""
     import socket
 
-    from ..errors import first_to_report
+    from easy_context.errors import first_to_report
     return first_to_report(f"build-lock/{socket.gethostname()}")
 
 

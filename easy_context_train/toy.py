@@ -1,6 +1,6 @@
 """A tiny, fully local training setup: Llama from a config, byte-level BPE tokenizer, packed corpus.
 
-Used by the CPU demo (``python -m easy_context.training.toy OUT``) and the tests. No downloads: the
+Used by the CPU demo (``python -m easy_context_train.toy OUT``) and the tests. No downloads: the
 tokenizer is trained with the ``tokenizers`` library on a generated corpus of templated sentences
 (learnable, so the loss drops within a few steps).
 """

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from collections import deque
 
-from ..dispatch_ahead import HelperPlanner, plan_table  # noqa: F401 (library code, re-exported)
+from easy_context.dispatch_ahead import HelperPlanner, plan_table  # noqa: F401 (library code, re-exported)
 from .packed_data import batch_targets
 
 

@@ -31,7 +31,7 @@ class Preemption:
         import torch
         import torch.distributed as dist
 
-        from ..phase import phase
+        from easy_context.phase import phase
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return self.received
         flag = torch.tensor([float(self.received)], device=device)

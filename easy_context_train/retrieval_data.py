@@ -32,8 +32,8 @@ import multiprocessing as mp
 import random
 import sys
 
-from ..haystack import PREFIX, ending_ids, filler_text, random_number
-from ..loss import IGNORE_INDEX
+from easy_context.haystack import PREFIX, ending_ids, filler_text, random_number
+from easy_context.loss import IGNORE_INDEX
 
 PROG = "python -m easy_context retrieval-data"
 CITIES = ("Singapore", "Oslo", "Lima", "Cairo", "Madrid", "Dublin", "Seoul", "Quito", "Vienna", "Nairobi",
