@@ -108,7 +108,7 @@ def run(kind, length, worlds, size, device, dtype, full: bool, iters: int, compa
         with_chain: bool = True):
     from easy_context.recurrent.adapter import get_adapter
     from easy_context.recurrent.chain import _Chain
-    from easy_context.recurrent.layout import Piece, Plan
+    from easy_context.recurrent.pieces import Piece, Plan
     from bench.delta_identity import run_plan as identity_plan
     layer, hidden = _layer(kind, size, device, dtype)
     adapter = get_adapter(layer)

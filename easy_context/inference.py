@@ -180,7 +180,7 @@ class SeqParallelLM:
         mode = layout.mode if layout is not None else get_mode(seq_algo or DEFAULT_MODE)
         if mode.is_parallel:  # a layer the AttentionInterface does not reach: refused, never silently wrong
             from .hf.route import check_routable
-            check_routable(model, mode.name)
+            check_routable(model, mode)
         self.model, self.mode, self.chunk_tokens = model, mode, chunk_tokens
         if groups is None:
             layout = layout or ParallelLayout.build(mode, ring_degree=ring_degree)

@@ -16,14 +16,13 @@ LAYER_CLASSES = {"granitemoehybrid": "GraniteMoeHybridDecoderLayer"}
 KEYS = ("position_ids", "sp_dispatch")  # the positions and the packed rows' table (dispatch.DISPATCH_KWARG)
 
 
-def apply(seq_algo: str, model, family: str | None) -> None:
+def apply(mode, model, family: str | None) -> None:
     for handle in getattr(model, _ATTR, ()):
         handle.remove()
     if hasattr(model, _ATTR):
         delattr(model, _ATTR)
     layer_class = LAYER_CLASSES.get(family)
-    from .registry import get_mode
-    if not get_mode(seq_algo).is_parallel or layer_class is None:
+    if not mode.is_parallel or layer_class is None:
         return
     seen: dict = {}
 

@@ -5,7 +5,8 @@ mode's name to it. Everything that differs between modes is asked of the mode, n
 
     degrees      how sp ranks split into ring x ulysses (``split``), validated before any process group
     cut          the token cut of a sequence over sp ranks: ``shard`` / ``unshard`` / ``seq_multiple`` /
-                 ``signature`` (the mode's ``layout.py`` module; "layout" alone means ``ParallelLayout``)
+                 ``signature`` (+ ``dispatch_of`` where packed rows are dealt by a table): ``Mode.cut``, the
+                 ``cut.py`` beside the mode's ``mode.py`` ("layout" alone means ``ParallelLayout``)
     positions    ``gather_positions``: every rank's local position ids -> the global ones (packed documents)
     heads        ``check_heads``: heads that cannot split over the Ulysses degree fail before any collective
     groups       which process groups a ``ParallelLayout`` creates for it and which ones its attention takes
@@ -46,9 +47,8 @@ class Mode:
     the methods whose default does not fit (see ``usp/mode.py`` for a mode over two process groups)."""
 
     name: str = ""
-    # The token cut: a module with shard(x, rank, world_size, dim, **kw), unshard(shards, dim, **kw),
-    # seq_multiple(world_size, **kw) and signature(world_size, **kw).
-    cut_module: str = ""
+    # Where the cut lives when not in cut.py beside the mode's own mode.py (a mode registered from elsewhere).
+    cut_module: str | None = None
     # "package.module:function" of the attention (q, k, v, dropout_p, softmax_scale, causal, **groups, docs=)
     # in the (B, S_local, H, D) layout; None = the model's own attention (no sequence parallelism).
     attention: str | None = None
@@ -81,20 +81,24 @@ class Mode:
         return {k: degrees[k] for k in self.degree_kwargs if degrees.get(k) is not None}
 
     # ------------------------------------------------------------------ cut (token layout of a sequence)
-    def _cut(self):
-        return importlib.import_module(self.cut_module)
+    @property
+    def cut(self):
+        """The token cut: a module with shard(x, rank, world_size, dim, **kw), unshard(shards, dim, **kw),
+        seq_multiple(world_size, **kw), signature(world_size, **kw) and, where packed rows are dealt by a table,
+        dispatch_of(world_size, **kw). Imported on first use (cuts need torch; a Mode must not at import)."""
+        return importlib.import_module(self.cut_module or type(self).__module__.rpartition(".")[0] + ".cut")
 
     def seq_multiple(self, world_size: int, **kw) -> int:
-        return self._cut().seq_multiple(world_size, **kw)
+        return self.cut.seq_multiple(world_size, **kw)
 
     def signature(self, world_size: int, **kw) -> tuple:
         """How the mode cuts a sequence, canonically: equal signatures shard identically."""
-        return self._cut().signature(world_size, **kw)
+        return self.cut.signature(world_size, **kw)
 
     def dispatch_of(self, world_size: int, **kw):
         """The packed rows' cost-balanced chunk table (dispatch.py) the cut uses: the one given as ``dispatch=``, one
         planned from ``positions=`` for ``dispatch="auto"``, else None (the fixed cut)."""
-        planner = getattr(self._cut(), "dispatch_of", None)
+        planner = getattr(self.cut, "dispatch_of", None)
         if planner is None:
             if kw.get("dispatch") is not None and not isinstance(kw["dispatch"], str):
                 from .dispatch_table import DispatchError
@@ -103,10 +107,10 @@ class Mode:
         return planner(world_size, **kw)
 
     def shard(self, x, rank: int, world_size: int, dim: int = 1, **kw):
-        return self._cut().shard(x, rank, world_size, dim=dim, **kw)
+        return self.cut.shard(x, rank, world_size, dim=dim, **kw)
 
     def unshard(self, shards, dim: int = 1, **kw):
-        return self._cut().unshard(shards, dim=dim, **kw)
+        return self.cut.unshard(shards, dim=dim, **kw)
 
     def gather_positions(self, local, groups: dict, gather, dispatch=None):
         """The global (B, L) positions from this rank's ``local`` ones: gather them in the sp ``group`` and undo the
@@ -122,7 +126,7 @@ class Mode:
     @property
     def dispatches(self) -> bool:
         """Packed rows are dealt in cost-balanced chunks (dispatch.py) by this mode's cut."""
-        return hasattr(self._cut(), "dispatch_of")
+        return hasattr(self.cut, "dispatch_of")
 
     # ------------------------------------------------------------------ heads
     def check_heads(self, num_q_heads: int, num_kv_heads: int, ulysses_degree: int, what: str) -> None:

@@ -2,7 +2,7 @@
 
     world = dp x sp,   sp = ring x ulysses (the mode's split: usp_attn both; ring modes ring = sp; ulysses = sp)
     rank  = dp_rank * sp + sp_rank          (sp ranks consecutive: the sp collectives stay in a node)
-    sp_rank = ring_rank * ulysses + ulysses_rank                       (usp/layout.py's order)
+    sp_rank = ring_rank * ulysses + ulysses_rank                       (usp/cut.py's order)
 
 Build it once, after the process group exists, on every rank (``new_group`` is collective: every rank
 creates every group in the same order). Groups spanning the whole world are ``None`` (the default group).

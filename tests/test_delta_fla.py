@@ -55,7 +55,7 @@ def simulated_plan(mode, L, W, positions=None, **kw):
     """(idx: global index of every local position (all simulated ranks' shards in rank order), Plan holding every
     piece: maximal runs of consecutive global tokens inside one simulated rank's shard)."""
     from easy_context.api import global_indices
-    from easy_context.recurrent.layout import Piece, Plan
+    from easy_context.recurrent.pieces import Piece, Plan
     shards = [global_indices(mode, L, r, W, positions=positions, **kw) for r in range(W)]
     idx = torch.cat(shards)
     rank_of = torch.cat([torch.full((len(s),), r) for r, s in enumerate(shards)])
@@ -74,7 +74,7 @@ def simulated_plan(mode, L, W, positions=None, **kw):
 
 def _one(L, positions):
     """One process: the whole sequence as one piece (document starts as resets)."""
-    from easy_context.recurrent.layout import Piece, Plan
+    from easy_context.recurrent.pieces import Piece, Plan
     return Plan(0, (Piece(0, 0, L, 0),), None if positions is None else (positions == 0).cuda())
 
 

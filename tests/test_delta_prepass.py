@@ -89,7 +89,7 @@ def test_multi_chunk_pieces_equal_the_layer(family="qwen3_next"):
     different starts: the parallel path (pre-pass, composition, one kernel pass, adjoint) equals the layer."""
     from easy_context.recurrent.adapter import get_adapter
     from easy_context.recurrent.detect import recurrent_layers
-    from easy_context.recurrent.layout import Piece, Plan
+    from easy_context.recurrent.pieces import Piece, Plan
     from tests.hybrid_models import build_hybrid
     layer = recurrent_layers(build_hybrid(family))[0][1]
     adapter = get_adapter(layer)

@@ -10,7 +10,7 @@ import torch
 
 from easy_context.recurrent.adapter import get_adapter
 from easy_context.recurrent.detect import recurrent_layers
-from easy_context.recurrent.layout import Piece, Plan
+from easy_context.recurrent.pieces import Piece, Plan
 from tests.hybrid_models import build_hybrid
 from tests.tols import assert_close
 

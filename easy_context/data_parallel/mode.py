@@ -6,7 +6,6 @@ from ..mode import Mode, PlanTraffic
 
 class DataParallelMode(Mode):
     name = "data_parallel"
-    cut_module = "easy_context.data_parallel.layout"  # identity: every rank holds the whole sequence
     attention = None
     group_kwargs = ()
     is_parallel = False

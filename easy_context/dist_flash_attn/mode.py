@@ -6,7 +6,6 @@ from ..mode import Mode, PlanTraffic
 
 class DistFlashMode(Mode):
     name = "dist_flash_attn"
-    cut_module = "easy_context.dist_flash_attn.layout"  # contiguous; packed rows dispatched (dispatch.py)
     attention = "easy_context.dist_flash_attn:dist_flash_attn_func"
     uses_ring = True
 

@@ -41,7 +41,7 @@ def attention_layers(model) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
-def check_routable(model, seq_algo: str) -> None:
+def check_routable(model, mode) -> None:
     """ValueError naming the first layer class the patch cannot route (see the module doc); nothing for a model
     whose every attention layer goes through the AttentionInterface and whose recurrent layers all have adapters."""
     from ..recurrent.detect import check_supported, recurrent_layers
@@ -51,28 +51,29 @@ def check_routable(model, seq_algo: str) -> None:
     if bad:
         name, layer = bad[0]
         raise ValueError(
-            f"{seq_algo}: {what} cannot be made sequence-parallel: its attention layer {type(layer).__name__} "
+            f"{mode.name}: {what} cannot be made sequence-parallel: its attention layer {type(layer).__name__} "
             f"({len(bad)} of them, e.g. {name}) computes attention itself instead of through transformers' "
             "AttentionInterface, so the patch cannot route it and each rank would attend to its own shard only (a "
             "silently wrong model). Use a model whose attention goes through the AttentionInterface (Llama, Mistral, "
             "Qwen 2/3, Gemma 3, ...; `python -m easy_context check --matrix` lists them), or data_parallel")
-    check_supported(seq_algo, model)  # recurrent layers without an exact sequence-parallel path: refused there
+    check_supported(mode, model)  # recurrent layers without an exact sequence-parallel path: refused there
     if not attn and not recurrent_layers(model):
-        raise ValueError(f"{seq_algo}: {what} has no attention layer the patch recognises (no module class named "
+        raise ValueError(f"{mode.name}: {what} has no attention layer the patch recognises (no module class named "
                          "...Attention), so nothing would be sequence-parallel; use data_parallel for it")
 
 
-def check_config_routable(config, seq_algo: str) -> None:
+def check_config_routable(config, mode) -> None:
     """``check_routable`` on a model built from ``config`` on the meta device (no weights, no memory); nothing to
-    check for a mode without sequence parallelism."""
+    check for a mode without sequence parallelism. ``mode``: a Mode or its name (check's --mode, tests)."""
     import transformers as tf
 
     from ..registry import get_mode
-    if not get_mode(seq_algo).is_parallel:
+    mode = get_mode(mode)
+    if not mode.is_parallel:
         return
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config)
-    check_routable(model, seq_algo)
+    check_routable(model, mode)
 
 
 __all__ = ["check_routable", "check_config_routable", "attention_layers", "dispatches_through_interface"]

@@ -214,9 +214,10 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     dp, sp, ring, uly = plan_degrees(opts.mode, world, opts.sp_size, opts.ring_degree)
     base = _base_model(trainer.model)
     config = base.config
-    if get_mode(opts.mode).is_parallel:  # before anything reads heads: a model we cannot route is named first
+    mode = get_mode(opts.mode)  # the options' name, once
+    if mode.is_parallel:  # before anything reads heads: a model we cannot route is named first
         from ..hf.route import check_routable
-        check_routable(base, get_mode(opts.mode).name)
+        check_routable(base, mode)
     ParallelLayout(opts.mode, world, rank, dp, sp, ring, uly).check_heads(
         config.num_attention_heads, getattr(config, "num_key_value_heads", None))
     try:  # dynamic / longrope RoPE would not be exact per shard

@@ -21,7 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .layout import Plan
+from .pieces import Plan
 from .zero3 import full_zeros, gather_direct, is_partitioned, whole_layer, whole_layer_for_grads
 
 # test hook (the mutation the tests run): "1" replaces every state received from another rank by zeros, i.e.

@@ -12,7 +12,7 @@ import weakref
 from .adapter import get_adapter
 from .chain import run_layer
 from .detect import check_supported
-from .layout import build_plan
+from .pieces import build_plan
 from ..registry import get_mode
 
 _ATTR = "_easy_context_recurrent"

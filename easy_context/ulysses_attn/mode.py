@@ -6,7 +6,6 @@ from ..mode import Mode, PlanTraffic
 
 class UlyssesMode(Mode):
     name = "ulysses_attn"
-    cut_module = "easy_context.contiguous"
     attention = "easy_context.ulysses_attn:ulysses_attn_func"
     ulysses = True
 

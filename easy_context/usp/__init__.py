@@ -7,7 +7,7 @@ __getattr__ = lazy_attrs(__name__, dict.fromkeys(("UspAttnFunc", "usp_attn", "us
 
 def usp_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, ring_group=None, ulysses_group=None,
                   docs=None):
-    """USP attention on local shards ``(batch, seq_local, heads, head_dim)`` in usp/layout.py's order.
+    """USP attention on local shards ``(batch, seq_local, heads, head_dim)`` in usp/cut.py's order.
 
     ``ulysses_group`` (U ranks, consecutive sp ranks) does the head all-to-all; ``ring_group`` (R ranks,
     stride U) runs the zigzag ring; both None = a ring over the world (U = 1). Build both once with

@@ -10,7 +10,7 @@ for Long Context Generative AI", 2024), written on our own pieces: the packed al
     zigzag ring over ring_group on those heads                -->  out (B, S/R, Hq/U, D), lse
     --all-to-all back-->  out (B, S/(R*U), Hq, D)
 
-Layout (usp/layout.py): sp rank = ring_rank * U + ulysses_rank. kv heads are replicated inside the
+Layout (usp/cut.py): sp rank = ring_rank * U + ulysses_rank. kv heads are replicated inside the
 Ulysses group exactly as in ulysses_attn (U > kv heads works); the ring carries the (few) kv heads.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ _NO_ULYSSES = None  # with U == 1 the all-to-alls are skipped, so the group is n
 
 def resolve_groups(ring_group, ulysses_group):
     """-> (ring_group, R, U, ulysses_group). None means the world group (as everywhere), except that both
-    None means a ring over the world and no Ulysses split (usp/layout.py's ring_degree=None default)."""
+    None means a ring over the world and no Ulysses split (usp/cut.py's ring_degree=None default)."""
     if ring_group is None and ulysses_group is None:
         return None, group_rank_world(None)[1], 1, _NO_ULYSSES
     return ring_group, group_rank_world(ring_group)[1], group_rank_world(ulysses_group)[1], ulysses_group

@@ -1,4 +1,4 @@
-"""usp_attn: ring x ulysses over two process groups (usp/layout.py documents the cut and the rank order)."""
+"""usp_attn: ring x ulysses over two process groups (usp/cut.py documents the cut and the rank order)."""
 from __future__ import annotations
 
 from ..mode import Mode, PlanTraffic, _divisors
@@ -6,7 +6,6 @@ from ..mode import Mode, PlanTraffic, _divisors
 
 class UspMode(Mode):
     name = "usp_attn"
-    cut_module = "easy_context.usp.layout"
     attention = "easy_context.usp:usp_attn_func"
     group_kwargs = ("ring_group", "ulysses_group")
     degree_kwargs = ("ring_degree",)
@@ -23,7 +22,7 @@ class UspMode(Mode):
         return ring, sp // ring
 
     def gather_positions(self, local, groups, gather, dispatch=None):
-        from .layout import gather_positions
+        from .cut import gather_positions
         return gather_positions(local, groups, gather, dispatch)
 
     def check_heads(self, num_q_heads, num_kv_heads, ulysses_degree, what):

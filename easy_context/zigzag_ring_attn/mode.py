@@ -6,7 +6,6 @@ from ..mode import Mode, PlanTraffic
 
 class ZigzagRingMode(Mode):
     name = "zigzag_ring_attn"
-    cut_module = "easy_context.zigzag_ring_attn.layout"
     attention = "easy_context.zigzag_ring_attn:zigzag_ring_attn_func"
     uses_ring = True
     packed_pairs = True

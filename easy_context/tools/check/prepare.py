@@ -37,7 +37,7 @@ def plan_case(args) -> tuple[Case, dict]:
     if layout.mode.is_parallel:  # a layer the patch cannot route: refused by name before any rank starts
         from easy_context.hf.route import check_config_routable
         try:
-            check_config_routable(config, layout.mode.name)
+            check_config_routable(config, layout.mode)
         except ValueError as e:
             raise CheckUsageError(str(e)) from None
     if not hasattr(config, "num_attention_heads") or not hasattr(config, "hidden_size"):

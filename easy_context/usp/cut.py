@@ -11,7 +11,7 @@ import torch
 
 from ..dispatch import resolve
 from ..sharding import check_divisible, contiguous_shard, pairs_shard, pairs_unshard
-from ..zigzag_ring_attn.layout import pairs_of
+from ..zigzag_ring_attn.cut import pairs_of
 
 
 def _degrees(world_size: int, ring_degree: int | None):
