@@ -1,4 +1,6 @@
-"""First calls of fla's chunk_gated_delta_rule (bf16 and fp32, fwd and bwd) with stage timings, and a faulthandler stack every 40 s: where a GPU machine's first fla call spends its time (issue #49). Run with /tmp/fla-site on PYTHONPATH (bench/gpu_hybrid_fla.sh unpacks it)."""
+"""First calls of fla's chunk_gated_delta_rule (bf16 and fp32, fwd and bwd) with stage timings, and a faulthandler
+stack every 40 s: where a GPU machine's first fla call spends its time (issue #49). Run with /tmp/fla-site on
+PYTHONPATH (bench/gpu_hybrid_fla.sh unpacks it there)."""
 import faulthandler, sys, time
 faulthandler.dump_traceback_later(40, repeat=True, file=sys.stderr)
 t0 = time.time()
