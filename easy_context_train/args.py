@@ -7,7 +7,9 @@ import os
 from easy_context.registry import DEFAULT_MODE, get_mode, mode_names, modes_taking
 from .errors import UsageError, fail
 
-CHECKPOINTING = ("layer", "selective", "offload", "nested", "none", "auto")
+# easy_context.memory.CHECKPOINTING + "auto" (auto_checkpointing.py), spelled out: flag parsing loads no torch
+# (tests/test_train_extras.py checks the two agree)
+CHECKPOINTING = ("none", "layer", "selective", "offload", "nested", "auto")
 
 
 def duration(text: str) -> float:

@@ -211,3 +211,10 @@ def test_lora_zigzag_equals_single_process_and_saves_adapter(toy, tmp_path):  # 
         want = AutoModelForCausalLM.from_pretrained(str(two))(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     assert not torch.allclose(before, want, atol=1e-3)  # training changed the model
+
+
+def test_checkpointing_flag_choices_are_configure_memorys_plus_auto():
+    from easy_context.cost_model.constants import PLANNED_CHECKPOINTING
+    from easy_context.memory import CHECKPOINTING
+    from easy_context_train.args import CHECKPOINTING as FLAG
+    assert FLAG == (*CHECKPOINTING, "auto") and set(PLANNED_CHECKPOINTING) <= set(CHECKPOINTING)

@@ -8,7 +8,7 @@ import os
 GiB = 2**30
 CONSTANTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
                               "plan_constants.json")
-CHECKPOINTING = ("layer", "selective", "offload")
+PLANNED_CHECKPOINTING = ("layer", "selective", "offload")  # what the planner searches (a subset of memory.CHECKPOINTING)
 # train.py-usable DeepSpeed set-ups (bench/plan_validation.py also uses "bare": bf16 weights + gradients that
 # appear during backward, no optimizer = the benches' fwd+bwd step)
 ZERO = ("zero3-offload", "zero3", "zero2-offload-opt", "zero2")

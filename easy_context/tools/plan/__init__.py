@@ -21,7 +21,7 @@ The cost model (shape, memory, step time, one candidate's prediction, the consta
 from __future__ import annotations
 
 from .cli import MULTI_GPU_NOTE, PROG, build_parser, main, parse, rank_rows, render_table
-from ...cost_model.constants import (CHECKPOINTING, CONSTANTS_FILE, ZERO, C, GiB, PlanUsageError,
+from ...cost_model.constants import (PLANNED_CHECKPOINTING, CONSTANTS_FILE, ZERO, C, GiB, PlanUsageError,
                                      gpu_constants, load_constants)
 from ...cost_model.memory import gpu_memory, host_memory
 from ...cost_model.options import Env, Option, layout_problem
@@ -32,7 +32,7 @@ from .launch import accelerate_command, train_flags
 from .search import candidates, layouts
 
 __all__ = ["main", "build_parser", "parse", "render_table", "rank_rows", "PROG", "MULTI_GPU_NOTE", "PlanUsageError",
-           "load_constants", "gpu_constants", "C", "GiB", "CONSTANTS_FILE", "CHECKPOINTING", "ZERO",
+           "load_constants", "gpu_constants", "C", "GiB", "CONSTANTS_FILE", "PLANNED_CHECKPOINTING", "ZERO",
            "Shape", "shape_from_dict", "load_shape", "model_flops_per_token", "Option", "Env",
            "layout_problem", "host_memory", "gpu_memory", "compute_time", "sp_comm_time", "zero_time", "predict",
            "layouts", "candidates", "accelerate_command", "train_flags"]

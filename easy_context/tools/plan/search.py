@@ -6,7 +6,7 @@ import itertools
 from dataclasses import replace
 
 from ...registry import mode_names
-from ...cost_model.constants import CHECKPOINTING, ZERO
+from ...cost_model.constants import PLANNED_CHECKPOINTING, ZERO
 from ...cost_model.options import Env, Option, layout_problem, mode_of
 from ...cost_model.predict import predict
 from ...cost_model.shape import Shape
@@ -31,7 +31,7 @@ def layouts(shape: Shape, world: int, L: int):
 def candidates(shape: Shape, env: Env, kernel: str | None = None, linear_kernel: str = "fla") -> list[dict]:
     rows = []
     for (mode, dp, sp, ring), ckpt, chunked, tiled, zero in itertools.product(
-            layouts(shape, env.world, env.seq_len), CHECKPOINTING, (True, False), (True, False), ZERO):
+            layouts(shape, env.world, env.seq_len), PLANNED_CHECKPOINTING, (True, False), (True, False), ZERO):
         if zero == "zero3" and env.world == 1:
             continue  # ZeRO-3 without offload partitions nothing on one GPU: zero2 is the same and shipped
         m = mode_of({"mode": mode})
