@@ -20,9 +20,9 @@ output's error against per-document attention on the full row.
 Two layouts of the packed row: plain zigzag (2W chunks) and what the ring runs for packed rows, zigzag with k
 mirrored pairs per rank (2Wk chunks, k = ``sharding.zigzag_pairs(L, W)``, the default before issue #28); pieces =
 dense kernel calls a rank's ring makes (diagonal runs of >= 4 documents are one varlen launch with FA4, counted here
-per document). And the cost-balanced dispatch (easy_context/dispatch.py, the default for packed rows now): W*m chunks
+per document). And the cost-balanced dispatch (easy_context/dispatch/plan.py, the default for packed rows now): W*m chunks
 dealt by the solver, each rank's q rows against only the kv chunks they need, received point to point
-(dispatch_ring.py). ``kv_MB`` = kv bytes a rank receives in one fwd+bwd (k, v in bf16 twice, dk/dv once: fp32 on
+(dispatch/ring.py). ``kv_MB`` = kv bytes a rank receives in one fwd+bwd (k, v in bf16 twice, dk/dv once: fp32 on
 the ring, bf16 under the dispatch), min..max over ranks; ``vs_default`` = the default k-pair layout's slowest-rank time / this layout's.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ from bench import packed_fit  # noqa: E402
 from bench.common import cuda_time_ms, env_line, table  # noqa: E402
 from easy_context import kernels, packing  # noqa: E402
 from bench.dispatch_solvers import plan_dispatch, rank_ms  # noqa: E402
-from easy_context.dispatch_ring import DispatchPlan  # noqa: E402
+from easy_context.dispatch.ring import DispatchPlan  # noqa: E402
 from easy_context.sharding import pairs_shard, pairs_unshard, zigzag_pairs  # noqa: E402
 from easy_context.zigzag_ring_attn.attention import ring_steps  # noqa: E402
 
@@ -177,7 +177,7 @@ def _dispatch_name(d, world, m):
 
 
 def predicted_ms(ranks, before=False) -> list[float]:
-    """Per-rank fwd+bwd ms of dispatch.py's fitted time model from exact per-rank counts (``layout_counts``).
+    """Per-rank fwd+bwd ms of dispatch/plan.py's fitted time model from exact per-rank counts (``layout_counts``).
     ``before``: the dispatch as first measured, whose every step made full-size passes like the ring's."""
     return rank_ms([c["causal"] + c["rect"] for c in ranks], [c["pieces"] for c in ranks],
                    [c["steps"] for c in ranks], ranks[0]["tokens"], [c["dense"] for c in ranks],
@@ -527,7 +527,7 @@ def main():
                     help="chunks per rank of the dispatch to time (default: the cost model's pick)")
     ap.add_argument("--count", action="store_true", help="CPU: score elements per rank only")
     ap.add_argument("--check", action="store_true", help="CPU float32 run of the simulation's code path (errors only)")
-    ap.add_argument("--fit", metavar="FILE", help="CPU: re-fit dispatch.py's time model (least squares) on the "
+    ap.add_argument("--fit", metavar="FILE", help="CPU: re-fit dispatch/plan.py's time model (least squares) on the "
                     "per-rank counts and times of a bench_packed JSON ($OUT/bench_packed.json of a GPU run)")
     ap.add_argument("--rect-varlen", type=int, default=0, metavar="N",
                     help="a block's rectangles of <= N score elements in one varlen FA4 call "
@@ -561,7 +561,7 @@ def main():
     print(table(counts, ["L", "W", "seed", "layout", "docs", "max_doc", "work_vs_stream", "max_over_mean",
                          "rank_Melems", "pieces_per_rank", "steps", "fa4_launches", "kv_MB", "pred_ms", "pred_mm",
                          "pred_ms_before", "pred_vs_default"]))
-    print("\npred_ms: dispatch.py's time model fitted to the H200 timings (FA4, fwd+bwd, 32 heads x 128) from exact "
+    print("\npred_ms: dispatch/plan.py's time model fitted to the H200 timings (FA4, fwd+bwd, 32 heads x 128) from exact "
           "per-rank counts; pred_mm: max/mean of the predicted rank times;\npred_ms_before: the same with the "
           "ring steps' full-size passes the measured code made")
     print("\n## Balance study: finer chunks, mirrored pairs vs greedy by cost (q-side work per rank)\n")

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.bench_packed import doc_lengths, positions  # noqa: E402
-from easy_context import dispatch, prepare_seq_parallel_inputs  # noqa: E402
+from easy_context import prepare_seq_parallel_inputs  # noqa: E402
+from easy_context.dispatch import plan as dispatch  # noqa: E402
 from easy_context.registry import SEQ_ALGOS, get_mode  # noqa: E402
 from easy_context_train.plan_ahead import plan_table  # noqa: E402
 

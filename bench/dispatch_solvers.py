@@ -1,6 +1,6 @@
 """The packed-row dispatch's solvers that lost to the default, and the fitted model's per-rank ms: kept to compare
 against (bench_packed.py's "old" / "prev" / "first" / "fastest" rows, packed_robust.py, tests/test_dispatch.py); the
-library plans with the default only (easy_context/dispatch.py, ``plan_dispatch``). Their history is in
+library plans with the default only (easy_context/dispatch/plan.py, ``plan_dispatch``). Their history is in
 docs/packed_dispatch.md.
 
 Solvers (``plan_dispatch(..., solver=)``): "auto" = the library's default; "chunks" = equal chunks, m per rank (work
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from easy_context.dispatch import (BALANCE_SLACK, BALANCE_TARGET, DEEP_SOURCES, MODEL, Dispatch,
+from easy_context.dispatch.plan import (BALANCE_SLACK, BALANCE_TARGET, DEEP_SOURCES, MODEL, Dispatch,
                                    _hash, _key, _stats, balance, deal_options, equal_deals, pick, plan_dispatch as _auto,
                                    segment_options)
-from easy_context.dispatch_segments import to_table
-from easy_context.dispatch_solve import window_blind_options
+from easy_context.dispatch.segments import to_table
+from easy_context.dispatch.solve import window_blind_options
 from easy_context.sharding import packed_rows
 
 SOLVERS = ("auto", "first", "fastest", "chunks", "segments", "work")
@@ -44,7 +44,7 @@ def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None
 
 
 def solver_options(positions, length, world, window, tried, stats, solver="auto", per_rank=None):
-    """The deals ``solver`` picks from: dispatch_solve.segment_options narrowed to its kinds, the deeper search's for
+    """The deals ``solver`` picks from: dispatch.solve.segment_options narrowed to its kinds, the deeper search's for
     "segments" (as the default: only for rows the first search leaves unbalanced), the window-blind deals with a
     ``window`` (not for "work")."""
     if solver == "auto":

@@ -8,7 +8,7 @@
 #   bash bench/h200_fa4.sh dispatch-rects [L...]  # bench_packed default picks, one dense call per rectangle (default)
 #                                    # vs a block's rectangles of <= RECTS_MAX score elements in one varlen call
 #   bash bench/h200_fa4.sh calibrate [L...]  # bench/packed_calibrate.py: the rank-time model fitted on the seed-0 rows,
-#                                    # then dispatch.py's pick vs the fitted model's pick on rows of seeds 1-3
+#                                    # then dispatch/plan.py's pick vs the fitted model's pick on rows of seeds 1-3
 #   bash bench/h200_fa4.sh dispatch [L...]  # bench_packed: dispatch (old solver pick, fastest-predicted pick, the default
 #                                    # pick with dispatch.pick's balance rule, old m=2,4,8) vs zigzag and the k-pair
 #                                    # default, same rows/seed; default L = 131072 524288

@@ -9,7 +9,7 @@ fit holds *within* a run, a training job could calibrate the model on its first 
 and fit) and deal the later batches with it. This bench measures that on one GPU:
   1. the rows of seed 0 (every table's rows): the usual layouts are timed per rank (zigzag / k pairs, the dispatch
      deals m = 2, 4, 8 and the picks), and ``bench/packed_fit.py`` fits the model's constants to them;
-  2. new rows (other seeds, same length distribution): the pick of dispatch.py's constants and the pick of the
+  2. new rows (other seeds, same length distribution): the pick of dispatch/plan.py's constants and the pick of the
      fitted ones, each timed per rank, beside the default ring layout.
 Same process, same GPU state: what a training run would see. The table gives both picks' slowest-rank ms and max/mean;
 the JSON ($OUT/packed_calibrate.json) gives the per-rank times and counts.
@@ -28,15 +28,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench import bench_packed as B  # noqa: E402
 from bench import packed_fit  # noqa: E402
 from bench.common import env_line, table  # noqa: E402
-from easy_context import dispatch as D  # noqa: E402
+from easy_context.dispatch import plan as D  # noqa: E402
 
-# dispatch.py's constant per packed_fit feature (the inverse of packed_fit.current(): ms -> score elements)
+# dispatch/plan.py's constant per packed_fit feature (the inverse of packed_fit.current(): ms -> score elements)
 _PER_16K = {"ring_step_16K": "STEP_TIME_PER_TOKEN", "tokens_16K": "TOKEN_TIME"}
 _PLAIN = {"pieces": "PIECE_TIME", "dense": "DENSE_TIME", "varlen": "VARLEN_TIME", "extra_steps": "STEP_TIME"}
 
 
 def to_dispatch(consts: dict) -> dict:
-    """packed_fit constants (ms per feature unit) -> dispatch.py's module constants (score elements, MS_PER_ELEM)."""
+    """packed_fit constants (ms per feature unit) -> dispatch/plan.py's module constants (score elements, MS_PER_ELEM)."""
     ms_per_elem = consts["Melem"] / 1e6
     if ms_per_elem <= 0:
         raise ValueError(f"a fitted model needs a positive cost per score element; got {consts['Melem']} ms per M")
@@ -55,7 +55,7 @@ def model(consts: dict):
     D._CACHE.clear()
     try:
         for k, v in new.items():
-            setattr(D.MODEL, k, v)  # the fitted model every solver reads (dispatch_cost.MODEL)
+            setattr(D.MODEL, k, v)  # the fitted model every solver reads (dispatch.cost.MODEL)
         yield
     finally:
         for k, v in old.items():
@@ -77,7 +77,7 @@ def run(L, world, heads, dim, seeds, rounds, iters, device="cuda", per_rank=("ol
     errs = [abs(float(r["rel_err"])) for r in res]
     out = []
     for seed in seeds:
-        default = B.simulate(L, per_rank=("new",), seed=seed, **sim)  # the default ring layout + dispatch.py's pick
+        default = B.simulate(L, per_rank=("new",), seed=seed, **sim)  # the default ring layout + dispatch/plan.py's pick
         with model(consts):
             fitted = B.simulate(L, per_rank=("new",), seed=seed, pairs=(), **sim)
         ring = next(r for r in default if not r["layout"].startswith("dispatch"))
@@ -123,7 +123,7 @@ def main():
               f"max {fit['max_rel_err']:.3f}): " + ", ".join(f"{k}={v:.4g}" for k, v in consts.items() if v), flush=True)
         every += rows
         fits.append(dict(L=L, consts=consts, fit=fit, rows=base))
-    print("\n## The next batches: dispatch.py's pick vs the pick of the model fitted on seed 0 (slowest rank, W=8)\n")
+    print("\n## The next batches: dispatch/plan.py's pick vs the pick of the model fitted on seed 0 (slowest rank, W=8)\n")
     print(table(every, ["L", "seed", "model", "layout", "slowest_rank_ms", "max_over_mean", "rounds", "vs_default",
                         "same_pick"]))
     if os.environ.get("OUT"):

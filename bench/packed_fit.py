@@ -1,4 +1,4 @@
-"""Re-fit dispatch.py's rank-time model from bench_packed.py's JSON (``python bench/bench_packed.py --fit FILE``).
+"""Re-fit dispatch/plan.py's rank-time model from bench_packed.py's JSON (``python bench/bench_packed.py --fit FILE``).
 
 Each layout row of the JSON carries ``ranks``: per rank its counts (``causal`` / ``rect`` score elements, causal
 halved; ``pieces``; ``launches``; ``steps``; ``tokens`` local; ``ring``: the fixed ring, whose every step makes
@@ -15,7 +15,7 @@ import numpy as np
 # features, in units that keep the constants readable: ms per million elements, per piece, per 16K tokens
 FEATURES = ("Melem", "Melem_causal", "Melem_rect", "pieces", "dense", "varlen", "extra_steps", "ring_step_16K",
             "tokens_16K")
-# dispatch.py's model: one rate for all score elements (Melem_causal / Melem_rect split it, for a --fit-features try),
+# dispatch/plan.py's model: one rate for all score elements (Melem_causal / Melem_rect split it, for a --fit-features try),
 # FA4 launches by kind (dense, varlen) and per piece
 MODEL = ("Melem", "pieces", "dense", "varlen", "extra_steps", "ring_step_16K", "tokens_16K")
 
@@ -45,7 +45,7 @@ def _solve(x, y, use):
 
 def current() -> dict:
     """dispatch.py's constants in FEATURES units (ms per unit)."""
-    from easy_context import dispatch as D
+    from easy_context.dispatch import plan as D
     k = 16384 * D.MS_PER_ELEM
     return dict(Melem=D.MS_PER_ELEM * 1e6, pieces=D.PIECE_TIME * D.MS_PER_ELEM, dense=D.DENSE_TIME * D.MS_PER_ELEM,
                 varlen=D.VARLEN_TIME * D.MS_PER_ELEM, extra_steps=D.STEP_TIME * D.MS_PER_ELEM,

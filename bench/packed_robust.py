@@ -4,15 +4,15 @@
     python bench/packed_robust.py --spread 2 --lengths 131072
     python bench/packed_robust.py --deep               # also: the first search vs the deeper one (absolute)
 
-The solver (dispatch.py) builds a handful of deals per row and keeps the one its fitted time model predicts fastest.
+The solver (dispatch/plan.py) builds a handful of deals per row and keeps the one its fitted time model predicts fastest.
 That model is ~2% right within a GPU run but its constants move from run to run (a kernel piece costs 0.04 ms in one
 fit and 0.17 ms in another), and the ~5% imbalance measured at 128K is of that size. So the selection rule is tested
 here against *truths*: the model re-fitted on each H200 run's per-rank times (bench/results/h200_packed_*.json,
 bench/packed_fit.py), never used to pick. For every row (document lengths of bench_packed, seeds), every candidate
-deal's per-rank counts (dispatch_segments.Estimate) are priced under each truth, and each rule's pick is scored by
+deal's per-rank counts (dispatch.segments.Estimate) are priced under each truth, and each rule's pick is scored by
   - regret: its slowest rank over the slowest rank of the best candidate under that truth,
   - max/mean: its slowest rank over its mean rank under that truth.
-Rules (none sees the truths): ``fastest`` (the lowest predicted slowest rank: dispatch.py's before 12-05),
+Rules (none sees the truths): ``fastest`` (the lowest predicted slowest rank: dispatch/plan.py's before 12-05),
 ``balanced S`` (dispatch.pick: of the options predicted within S of the fastest, the best balanced; S = BALANCE_SLACK
 is the default) and ``robust`` (the lowest worst-case regret over scenarios that scale each of the model's overhead
 constants by 1/spread and by spread, one at a time).
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench import packed_fit  # noqa: E402
 from bench.bench_packed import doc_lengths, positions, with_kinds  # noqa: E402
 from bench.common import table  # noqa: E402
-from easy_context import dispatch as D  # noqa: E402
-from easy_context.dispatch_segments import Estimate  # noqa: E402
+from easy_context.dispatch import plan as D  # noqa: E402
+from easy_context.dispatch.segments import Estimate  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -55,7 +55,7 @@ def truths(paths) -> dict[str, dict]:
 
 def held_out(paths, lengths, world, seeds, median=1500, sigma=1.5):
     """Leave one run out: the model fitted on the other runs' per-rank times (pooled) picks (dispatch.pick), and the
-    pick is priced under the left-out run's own fit, beside the pick of dispatch.py's constants."""
+    pick is priced under the left-out run's own fit, beside the pick of dispatch/plan.py's constants."""
     from bench.packed_calibrate import model
     by_run = runs(paths)
     rows = []
@@ -239,7 +239,7 @@ def main():
     truth = truths(args.runs or sorted(glob.glob(os.path.join(RESULTS, "h200_packed_*.json"))))
     if not truth:
         raise SystemExit("no GPU run with per-rank times found (bench/results/h200_packed_*.json)")
-    print(f"truths: {', '.join(truth)}; scenarios: dispatch.py's constants and each overhead x{1 / args.spread:g} / "
+    print(f"truths: {', '.join(truth)}; scenarios: dispatch/plan.py's constants and each overhead x{1 / args.spread:g} / "
           f"x{args.spread:g}")
     rows = study(args.lengths, args.world, args.seeds, args.spread, truth)
     if args.detail:
@@ -257,7 +257,7 @@ def main():
     if args.held_out:
         rows = held_out(args.runs or sorted(glob.glob(os.path.join(RESULTS, "h200_packed_*.json"))), args.lengths,
                         args.world, args.seeds)
-        print("\n## Leave one run out: dispatch.py's constants vs the pooled fit of the other runs "
+        print("\n## Leave one run out: dispatch/plan.py's constants vs the pooled fit of the other runs "
               "(both dispatch.pick)\n")
         if args.detail:
             print(table(rows, ["L", "seed", "truth", "rule", "pick", "regret", "max_over_mean"]))

@@ -31,7 +31,7 @@ def describe_layout(seq_algo, world_size: int, **kw) -> str:
 
 # prepare_seq_parallel_inputs marks the tensors it returns with the layout they were cut for; the patched
 # attention compares it with its own and refuses a mismatch (a silent wrong result otherwise). A check only: what
-# the attention computes never depends on it (the dispatch table travels in the model call, dispatch.py).
+# the attention computes never depends on it (the dispatch table travels in the model call, dispatch/plan.py).
 LAYOUT_ATTR = "_easy_context_layout"
 
 
@@ -116,7 +116,7 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
 
     Packed rows (positions restarting at 0) under zigzag_ring_attn / usp_attn are cut in the balanced k-pair
     layout, which the attention rebuilds from the local positions: ``model(local_ids, position_ids=local_pos)``
-    needs no other argument. ``dispatch="auto"`` deals them in cost-balanced chunks instead (dispatch.py; what
+    needs no other argument. ``dispatch="auto"`` deals them in cost-balanced chunks instead (dispatch/plan.py; what
     train.py and the Trainer integration do; ``dispatch=`` a table uses that one): then pass
     ``**prepared.model_kwargs`` to the model, the table's one route to the attention.
     """
@@ -141,7 +141,7 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
     # packed rows: one table for the whole batch (planned once, every tensor cut by it), or None (the fixed cut)
     table = mode.dispatch_of(world_size, positions=position_ids, dispatch=dispatch, **kw)
     if table is not None and not isinstance(dispatch, str):  # given (easy_context_train/plan_ahead.py): for these positions?
-        from .dispatch_table import DispatchError, fingerprint
+        from .dispatch.table import DispatchError, fingerprint
         if table.fingerprint and table.fingerprint != fingerprint(position_ids):
             raise DispatchError("prepare_seq_parallel_inputs(dispatch=...): the table was planned for other "
                                 "position ids (another batch?): plan it from this batch's global position_ids "

@@ -24,7 +24,7 @@ class BatchLayout:
     @property
     def model_kwargs(self) -> dict:
         """What the model call must carry besides ``position_ids`` for the attention to undo this cut."""
-        from .dispatch_table import DISPATCH_KWARG
+        from .dispatch.table import DISPATCH_KWARG
         return {} if self.dispatch is None else {DISPATCH_KWARG: self.dispatch}
 
     def _kw(self) -> dict:

@@ -96,12 +96,12 @@ class Mode:
         return self.cut.signature(world_size, **kw)
 
     def dispatch_of(self, world_size: int, **kw):
-        """The packed rows' cost-balanced chunk table (dispatch.py) the cut uses: the one given as ``dispatch=``, one
+        """The packed rows' cost-balanced chunk table (dispatch/plan.py) the cut uses: the one given as ``dispatch=``, one
         planned from ``positions=`` for ``dispatch="auto"``, else None (the fixed cut)."""
         planner = getattr(self.cut, "dispatch_of", None)
         if planner is None:
             if kw.get("dispatch") is not None and not isinstance(kw["dispatch"], str):
-                from .dispatch_table import DispatchError
+                from .dispatch.table import DispatchError
                 raise DispatchError(f"{self.name} cuts packed rows one fixed way: it takes no dispatch table")
             return None
         return planner(world_size, **kw)
@@ -125,7 +125,7 @@ class Mode:
 
     @property
     def dispatches(self) -> bool:
-        """Packed rows are dealt in cost-balanced chunks (dispatch.py) by this mode's cut."""
+        """Packed rows are dealt in cost-balanced chunks (dispatch/plan.py) by this mode's cut."""
         return hasattr(self.cut, "dispatch_of")
 
     # ------------------------------------------------------------------ heads

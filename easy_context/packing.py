@@ -263,7 +263,7 @@ def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
                      check_rows: int | None = None, require_table: bool = False) -> torch.Tensor:
     """The global (B, L) positions of the sequence this sp group shares, from every rank's local ones.
 
-    Packed rows cut by a ``dispatch`` table (dispatch.py; the one the model call carries) are un-cut by it: every
+    Packed rows cut by a ``dispatch`` table (dispatch/plan.py; the one the model call carries) are un-cut by it: every
     rank adds its table's digest to the gathered tensor, so a rank without it or with another one is an error on
     every rank alike, before anything is computed, and the table's fingerprint must match the gathered positions.
     Without a table packed rows are in the mode's fixed cut (the k-pair zigzag under zigzag_ring_attn / usp_attn),
@@ -280,7 +280,7 @@ def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
         dist.all_gather(parts, t, group=group)
         seen = sorted({int(p[0, -1]) for p in parts})
         if len(seen) > 1:
-            from .dispatch_table import DispatchError
+            from .dispatch.table import DispatchError
             raise DispatchError(
                 f"{mode.name}: the ranks' model calls carry different dispatch tables (digests {seen}; 0 = none): "
                 "every rank must pass the model_kwargs prepare_seq_parallel_inputs returned for the same global batch")
@@ -290,7 +290,7 @@ def gather_positions(mode, local: torch.Tensor, groups: dict, dispatch=None,
         return local
     full = mode.gather_positions(local, groups, gather, dispatch)  # the Mode (``layout.mode``) undoes its own cut
     if dispatch is not None:  # ``check_rows``: the leading rows that are the positions (callers may append rows)
-        from .dispatch_table import check_fingerprint
+        from .dispatch.table import check_fingerprint
         check_fingerprint(dispatch, full if check_rows is None else full[:check_rows], mode.name)
     if full is not local and require_table:  # one rank in the group: nothing was cut, nothing to check
         _check_dispatched(mode, full if check_rows is None else full[:check_rows], dispatch)
@@ -302,7 +302,7 @@ def unshard_gathered(mode, parts, dispatch=None, **kw) -> torch.Tensor:
     count read off the gathered positions."""
     from .sharding import layout_pairs
     if dispatch is not None:
-        from .dispatch_table import check_world
+        from .dispatch.table import check_world
         check_world(dispatch, len(parts), sum(p.shape[1] for p in parts), mode.name)
         return dispatch.unshard(parts, dim=1)
     cat = torch.cat(parts, dim=1)
@@ -311,7 +311,7 @@ def unshard_gathered(mode, parts, dispatch=None, **kw) -> torch.Tensor:
 
 def _check_dispatched(mode, full: torch.Tensor, dispatch) -> None:
     """Packed rows that a ``ParallelLayout`` dispatches must arrive with their table (a fixed cut would be a guess)."""
-    from .dispatch_table import DISPATCH_KWARG, DispatchError
+    from .dispatch.table import DISPATCH_KWARG, DispatchError
     if dispatch is not None or not packed_rows(full) or not mode.dispatches:
         return
     raise DispatchError(

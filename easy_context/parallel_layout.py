@@ -75,14 +75,14 @@ class ParallelLayout:
     # dispatch's cost model caps each token's keys by it; None: full causal costs. Set before the first batch: the
     # planner (easy_context_train/plan_ahead.py) and prepare_inputs take it from layout_kw, so every rank plans alike
     dispatch_window: int | None = None
-    # packed rows: ``prepare_inputs`` deals them by a cost-balanced table (dispatch.py) that the model call carries
+    # packed rows: ``prepare_inputs`` deals them by a cost-balanced table (dispatch/plan.py) that the model call carries
     # (``prepared.model_kwargs``); False (or EASY_CONTEXT_PACKED_LAYOUT=pairs at build): the fixed k-pair cut
     packed_dispatch: bool | None = None
 
     def __post_init__(self):
         self.mode = get_mode(self.mode)
         if self.packed_dispatch is None:
-            from .dispatch_table import packed_layout
+            from .dispatch.table import packed_layout
             self.packed_dispatch = packed_layout() == "dispatch"
 
     @property

@@ -1,6 +1,6 @@
 """The next step's packed-row dispatch planned in a helper process while this step runs (issue #28).
 
-Planning the cost-balanced dispatch of a packed row (dispatch.py) is pure CPU work: ~0.2 s at 128K, ~0.3 s at 512K
+Planning the cost-balanced dispatch of a packed row (dispatch/plan.py) is pure CPU work: ~0.2 s at 128K, ~0.3 s at 512K
 on one core, on every rank, for every new batch, and inside ``prepare_seq_parallel_inputs`` it sits on the step's
 critical path. ``PlannedBatches`` reads one optimizer step (``ahead`` micro-batches) ahead of the loop, hands their
 global position ids to one spawned process that runs the very planner ``prepare_seq_parallel_inputs`` would
@@ -13,14 +13,14 @@ Reading ahead must not move the data position a checkpoint records: ``state_dict
 after the last micro-batch *handed out*, snapshotted before the read-ahead, so a resumed run starts at the first
 batch this run did not train on, as without planning ahead. Rows without restarts (nothing to plan) or modes that
 never dispatch start no process; a helper that dies falls back to planning in this process. The helper
-(``HelperPlanner``) is library code in easy_context/dispatch_ahead.py (the Trainer integration uses it too).
+(``HelperPlanner``) is library code in easy_context/dispatch/ahead.py (the Trainer integration uses it too).
 """
 from __future__ import annotations
 
 import copy
 from collections import deque
 
-from easy_context.dispatch_ahead import HelperPlanner, plan_table  # noqa: F401 (library code, re-exported)
+from easy_context.dispatch.ahead import HelperPlanner, plan_table  # noqa: F401 (library code, re-exported)
 from .packed_data import batch_targets
 
 

@@ -202,7 +202,7 @@ class RunLock:
             self.held = False
 
 
-from easy_context.dispatch_ahead import signal_on_parent_death  # noqa: E402  (one copy, in the library)
+from easy_context.dispatch.ahead import signal_on_parent_death  # noqa: E402  (one copy, in the library)
 
 
 def exit_with_parent() -> None:

@@ -72,13 +72,13 @@ def test_packed_bench_replay_is_exact_and_counts_less_work():
 
 
 def test_windowed_dispatch_estimate_equals_the_kernel_pieces_and_beats_a_window_blind_plan(monkeypatch):
-    """Every layer windowed (bench_packed --window): the dispatch's estimate (dispatch_segments.Estimate) counts the
+    """Every layer windowed (bench_packed --window): the dispatch's estimate (dispatch.segments.Estimate) counts the
     launches the kernels make (a document part longer than the window joins the windowed varlen run, or without
     VARLEN_WINDOW is a launch of its own that ends the run), so the solver's predicted rank times equal those of
     bench_packed's exact counts, both ways; a table planned with the window is faster than one planned blind to it;
     Window pieces count the elements their mask keeps."""
     from bench import bench_packed as B
-    from easy_context import dispatch as D
+    from easy_context.dispatch import plan as D
     from easy_context.kernels import documents as kd
     from easy_context.packing import Window, piece_mask
     for win, n, m in ((Window(5, 0, True), 12, 12), (Window(5, 7, False), 6, 9), (Window(30, 3, False), 4, 8)):

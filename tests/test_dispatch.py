@@ -11,9 +11,9 @@ import torch
 from easy_context import packing, prepare_seq_parallel_inputs, shard_sequence, unshard_sequence
 from bench.dispatch_solvers import SOLVERS
 from bench.dispatch_solvers import plan_dispatch as plan_with  # the solvers that lost to the default, to compare
-from easy_context.dispatch import (DISPATCH_KWARG, LAYOUT_ENV, Dispatch, DispatchError, candidates, plan_dispatch,
+from easy_context.dispatch.plan import (DISPATCH_KWARG, LAYOUT_ENV, Dispatch, DispatchError, candidates, plan_dispatch,
                                    predict, solve, tile_of, token_costs)
-from easy_context.dispatch_ring import DispatchPlan
+from easy_context.dispatch.ring import DispatchPlan
 from easy_context.sharding import packed_rows, zigzag_shard
 from tests.harness import run_ranks
 from tests.tols import assert_close
@@ -200,12 +200,12 @@ def test_dispatched_ring_covers_the_mask_once_and_sends_only_what_is_needed(wind
 
 
 def test_segment_solver_keeps_tokens_and_balances_a_long_document():
-    from easy_context.dispatch import estimate
+    from easy_context.dispatch.plan import estimate
     pos = _positions([300, 2, 5000, 40, 1, 700, 1500, 649])  # 8192 tokens; one document holds most of the cost
     old = plan_with(pos, 4, solver="chunks")
     # boundaries moved by work alone (at this size pieces dominate the predicted time, so the default merges instead)
-    from easy_context.dispatch import _arrays
-    from easy_context.dispatch_segments import refine, segments, to_table
+    from easy_context.dispatch.plan import _arrays
+    from easy_context.dispatch.segments import refine, segments, to_table
     prefix = _arrays(pos, None, None)[0]
     cuts, owners = to_table(refine(segments(old.cuts, old.owners), prefix, 4, 128), 4)
     new = Dispatch(8192, owners, cuts=cuts)
@@ -214,7 +214,7 @@ def test_segment_solver_keeps_tokens_and_balances_a_long_document():
     e_old, e_new = estimate(pos, old.cuts, old.owners), estimate(pos, new.cuts, new.owners)
     assert e_new.max_over_mean < e_old.max_over_mean and e_new.max_over_mean < 1.1, (e_old.max_over_mean,
                                                                                     e_new.max_over_mean)
-    from easy_context.dispatch import BALANCE_SLACK, STEP_TIME, STEP_TIME_PER_TOKEN, TOKEN_TIME
+    from easy_context.dispatch.plan import BALANCE_SLACK, STEP_TIME, STEP_TIME_PER_TOKEN, TOKEN_TIME
     fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * 2048
     t = {s: max(estimate(pos, d.cuts, d.owners).time(STEP_TIME)) + fixed for s in SOLVERS
          for d in [plan_with(pos, 4, solver=s)]}
@@ -231,8 +231,8 @@ def test_deeper_search_only_for_rows_the_first_search_leaves_unbalanced():
     predicted >= 5% faster and better balanced, and that table is valid (every rank L / W tokens, tile-aligned
     cuts, shard / unshard round trip). The seed-0 row, which the first search balances, keeps its deal."""
     from bench.bench_packed import doc_lengths, positions
-    from easy_context import dispatch as D
-    from easy_context.dispatch_segments import to_table
+    from easy_context.dispatch import plan as D
+    from easy_context.dispatch.segments import to_table
     W, L = 8, 131072
     tokens = L // W
     for seed, deeper in ((2, True), (0, False)):
@@ -260,7 +260,7 @@ def test_deeper_search_only_for_rows_the_first_search_leaves_unbalanced():
 
 
 def test_pick_gives_at_most_the_slack_for_balance():
-    from easy_context.dispatch import STEP_TIME_PER_TOKEN, TOKEN_TIME, pick
+    from easy_context.dispatch.plan import STEP_TIME_PER_TOKEN, TOKEN_TIME, pick
     fixed = (STEP_TIME_PER_TOKEN + TOKEN_TIME) * 1000
 
     def opt(m, times):
@@ -364,8 +364,8 @@ def test_dispatch_models_4_ranks():
 
 def _deeper_deal(pos, world, window):
     """The fastest deal of the deeper boundary search (unequal chunks), whatever pick would keep."""
-    from easy_context import dispatch as D
-    from easy_context.dispatch_segments import to_table
+    from easy_context.dispatch import plan as D
+    from easy_context.dispatch.segments import to_table
     length = pos.shape[-1]
     stats = D._stats(pos, window)
     tried = D.equal_deals(pos, length, world, window, None, stats)
@@ -380,7 +380,7 @@ def test_dispatched_attention_w8_in_process_matches_reference_and_moves_only_nee
     per-document attention on the whole row (out, lse, dq, dk, dv), and the kv rows sent are exactly the plan's;
     for equal chunks (4 a rank) and for the deeper boundary search's unequal ones."""
     from easy_context import kernels
-    from easy_context.dispatch_ring import dispatch_backward, dispatch_forward
+    from easy_context.dispatch.ring import dispatch_backward, dispatch_forward
     from tests.sim_comm import run_simulated
     lengths = [1, 130, 3, 40, 200, 1, 9, 128, 0]
     lengths = [n for n in lengths if n] + [512 - sum(lengths)]
@@ -440,7 +440,7 @@ def test_plan_reports_the_dispatch():
 def test_the_table_comes_from_the_call_only():
     """Two micro-batches may give a rank the same local position values under different tables: each model call
     names its own (the kwarg), nothing is looked up by value, and a mode that never dispatches refuses one."""
-    from easy_context.dispatch import table_of
+    from easy_context.dispatch.plan import table_of
     from easy_context.registry import get_mode
     zigzag, ulysses = get_mode("zigzag_ring_attn"), get_mode("ulysses_attn")
     first, second = Dispatch(16, ((0,), (1,))), Dispatch(16, ((0, 3), (1, 2)))
@@ -448,5 +448,5 @@ def test_the_table_comes_from_the_call_only():
     assert table_of({"position_ids": torch.arange(8)}, zigzag) is None
     with pytest.raises(DispatchError, match="does not dispatch"):
         table_of({DISPATCH_KWARG: first}, ulysses)
-    import easy_context.dispatch as D
+    import easy_context.dispatch.plan as D
     assert not hasattr(D, "_RECENT") and not hasattr(D, "remember")

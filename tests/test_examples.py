@@ -5,7 +5,7 @@ Trainer example under zigzag. Loss curves within 1e-4, trained weights within 1e
 
 This is the path a user runs: the Trainer moves each micro-batch with ``.to(device)`` and two micro-batches of one
 step can give a rank identical local positions, which lost or swapped the packed rows' dispatch table before it
-travelled in the model call (dispatch.py)."""
+travelled in the model call (dispatch/plan.py)."""
 import os
 import subprocess
 import sys

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from easy_context import api, packing, prepare_seq_parallel_inputs, shard_sequence, unshard_sequence
-from easy_context.dispatch import LAYOUT_ENV
+from easy_context.dispatch.plan import LAYOUT_ENV
 from easy_context.sharding import (PAIRS_ENV, PAIRS_MIN_CHUNK, layout_pairs, pair_chunks, packed_rows, pairs_indices,
                                    pairs_min_chunk, pairs_shard, pairs_unshard, zigzag_pairs, zigzag_shard)
 from easy_context.zigzag_ring_attn.attention import block_plan, ring_steps

@@ -61,10 +61,10 @@ def test_feature_study_tiles():
 
 
 def test_calibration_constants_round_trip_and_restore():
-    """bench/packed_calibrate.py: fitted constants (packed_fit units) map back onto dispatch.py's exactly, and
+    """bench/packed_calibrate.py: fitted constants (packed_fit units) map back onto dispatch/plan.py's exactly, and
     planning with them is scoped (constants and the table cache restored)."""
     from bench.packed_calibrate import model, to_dispatch
-    from easy_context import dispatch as D
+    from easy_context.dispatch import plan as D
     names = ("MS_PER_ELEM", "PIECE_TIME", "DENSE_TIME", "VARLEN_TIME", "STEP_TIME", "STEP_TIME_PER_TOKEN", "TOKEN_TIME")
     before = {n: getattr(D, n) for n in names}
     back = to_dispatch(packed_fit.current())
@@ -79,9 +79,9 @@ def test_calibration_constants_round_trip_and_restore():
 
 def test_calibration_bench_runs_on_cpu():
     """The code path of the GPU experiment at a tiny size (the current model's predictions stand in for timings):
-    the fit recovers dispatch.py's own constants, so both models pick the same deal."""
+    the fit recovers dispatch/plan.py's own constants, so both models pick the same deal."""
     from bench.packed_calibrate import run, to_dispatch
-    from easy_context import dispatch as D
+    from easy_context.dispatch import plan as D
     consts, fit, base, rows = run(4096, 4, 4, 32, [1], 1, 1, device="cpu", per_rank=("new", 2), median=300,
                                   sigma=1.0)
     assert fit["max_rel_err"] < 1e-6 and len(rows) == 2 and rows[0]["same_pick"]
@@ -90,8 +90,8 @@ def test_calibration_bench_runs_on_cpu():
 
 def test_calibration_pays_off_when_the_truth_differs():
     """The calibration experiment's logic without a GPU: per-rank "times" from a synthetic truth (a kernel piece 3x,
-    a dense launch 0.3x dispatch.py's), the model fitted on the seed-0 layouts, then new rows (seeds 1-3) dealt by
-    dispatch.py's constants and by the fit. Under the truth the fitted picks are never slower and faster on some."""
+    a dense launch 0.3x dispatch/plan.py's), the model fitted on the seed-0 layouts, then new rows (seeds 1-3) dealt by
+    dispatch/plan.py's constants and by the fit. Under the truth the fitted picks are never slower and faster on some."""
     from bench import bench_packed as B
     from bench.packed_calibrate import model
     L, W = 131072, 8

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from easy_context import prepare_seq_parallel_inputs
-from easy_context.dispatch import DISPATCH_KWARG, DispatchError
+from easy_context.dispatch.plan import DISPATCH_KWARG, DispatchError
 from easy_context.registry import SEQ_ALGOS, get_mode
 from easy_context_train import plan_ahead
 from easy_context_train.plan_ahead import PlannedBatches, plan_table
@@ -109,7 +109,7 @@ def test_a_lost_helper_falls_back_to_planning_here(monkeypatch):
     assert got == [plan_table(MODE.name, 4, {}, r["position_ids"][:, :-1]) for r in ROWS]
     assert batches.planned_here == 4  # the first, inline; three lost jobs (the one-document row needs none)
 
-    from easy_context import dispatch_ahead  # the helper's pool is library code (train.py's read-ahead uses it)
+    from easy_context.dispatch import ahead as dispatch_ahead  # the helper's pool is library code (train.py's read-ahead uses it)
     monkeypatch.setattr(dispatch_ahead, "ProcessPoolExecutor",
                         lambda **kw: (_ for _ in ()).throw(OSError("no spawn")))
     loader = _Loader(ROWS)

@@ -132,8 +132,8 @@ def dist_flash_attn_forward(q, k, v, softmax_scale=None, group=None, backend=Non
     schedule's messages still flow: a skipped helper block sends an empty partial)."""
     rank, world = group_rank_world(group)
     scale = _scale(q, softmax_scale)
-    if docs is not None and docs.dispatch is not None:  # packed rows in cost-balanced chunks (dispatch_ring.py)
-        from ..dispatch_ring import dispatch_forward
+    if docs is not None and docs.dispatch is not None:  # packed rows in cost-balanced chunks (dispatch/ring.py)
+        from ..dispatch.ring import dispatch_forward
         return dispatch_forward(q, k, v, scale, group, backend, docs)
     if world == 1:
         return kernels.attn_forward(q, k, v, True, scale, backend, docs=_docs_of(docs, None, q.shape[1], rank))
@@ -198,7 +198,7 @@ def dist_flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, group=
     scale = _scale(q, softmax_scale)
     dout = dout.contiguous()
     if docs is not None and docs.dispatch is not None:
-        from ..dispatch_ring import dispatch_backward
+        from ..dispatch.ring import dispatch_backward
         return dispatch_backward(dout, q, k, v, out, lse, scale, group, backend, docs)
     if world == 1:
         return kernels.attn_backward(dout, q, k, v, out, lse, True, scale, backend,

@@ -1,8 +1,8 @@
 """Contiguous layout: rank r holds chunk r of W. With ``dispatch=`` (a table, or "auto" for packed rows) the rows
-are dealt in cost-balanced chunks instead (dispatch.py; the attention then runs dispatch_ring instead of the
+are dealt in cost-balanced chunks instead (dispatch/plan.py; the attention then runs dispatch/ring.py instead of the
 LightSeq schedule)."""
 from ..contiguous import seq_multiple, signature  # noqa: F401  (the contiguous cut's)
-from ..dispatch import resolve
+from ..dispatch.plan import resolve
 from ..sharding import contiguous_shard, contiguous_unshard
 
 

@@ -105,7 +105,7 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, require_table:
                              "call the model with use_cache=False")
         if sliding_window is None:  # Qwen2-MoE (transformers 5.24) keeps its window on the module and windows
             sliding_window = getattr(module, "sliding_window", None)  # through the mask only, never in the call
-        from ..dispatch_table import table_of
+        from ..dispatch.table import table_of
         docs = _documents(mode, groups, state, kwargs.get("position_ids"), table_of(kwargs, mode), require_table)
         length = query.shape[2] * _sp_size(mode, groups)
         if sliding_window is not None and sliding_window < length:  # a local layer: same blocks, windowed

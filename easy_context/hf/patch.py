@@ -14,7 +14,7 @@ Process groups are bound when patching (``group=`` / ``ring_group=``/``ulysses_g
 usp_attn, or a ``ParallelLayout``) and travel in the registered closure; nothing is global. Inputs cut by
 ``prepare_seq_parallel_inputs`` carry the layout they were cut for; attention run with another layout (e.g.
 USP inputs sharded for ring 2 x ulysses 2, attention patched as a pure ring) raises instead of computing a
-wrong result. Packed rows' dispatch tables reach the attention in the model call's kwargs (dispatch.py).
+wrong result. Packed rows' dispatch tables reach the attention in the model call's kwargs (dispatch/plan.py).
 """
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ class SeqParallelTrainerMixin:
         if ahead["it"] is not epoch_iterator:  # a new epoch (the last one's read-ahead was all consumed)
             ahead["it"], ahead["queue"] = epoch_iterator, deque()
         if ahead["planner"] is None:
-            from ..dispatch_ahead import HelperPlanner
+            from ..dispatch.ahead import HelperPlanner
             ahead["planner"] = HelperPlanner(self._ec_layout)
         queue, planner = ahead["queue"], ahead["planner"]
         items = [queue.popleft() for _ in range(min(num_batches, len(queue)))]
@@ -186,7 +186,7 @@ class SeqParallelTrainerMixin:
 
 def _table_kwargs(batch) -> dict:
     """The packed rows' dispatch table a cut batch carries (cut_rows), as the model kwarg it travels in."""
-    from ..dispatch_table import DISPATCH_KWARG
+    from ..dispatch.table import DISPATCH_KWARG
     return {DISPATCH_KWARG: batch[DISPATCH_KWARG]} if batch.get(DISPATCH_KWARG) is not None else {}
 
 

@@ -50,7 +50,7 @@ class _Context:
 
 
 def _record_positions(ctx):
-    from ..dispatch_table import table_of
+    from ..dispatch.table import table_of
 
     def hook(module, args, kwargs):
         ctx.position_ids = kwargs.get("position_ids")

@@ -9,7 +9,7 @@ ranks. The Ulysses all-to-all gathers exactly the ring rank's zigzag-local seque
 """
 import torch
 
-from ..dispatch import resolve
+from ..dispatch.plan import resolve
 from ..sharding import check_divisible, contiguous_shard, pairs_shard, pairs_unshard
 from ..zigzag_ring_attn.cut import pairs_of
 
@@ -34,7 +34,7 @@ def seq_multiple(world_size: int, ring_degree: int | None = None, **_) -> int:
 
 
 def dispatch_of(world_size, ring_degree=None, positions=None, pairs=None, dispatch=None, window=None, **_):
-    """The dispatch of packed rows over the R ring ranks (dispatch.py), or None (zigzag / k-pair)."""
+    """The dispatch of packed rows over the R ring ranks (dispatch/plan.py), or None (zigzag / k-pair)."""
     return resolve(_degrees(world_size, ring_degree)[0], positions, pairs, dispatch, window)
 
 

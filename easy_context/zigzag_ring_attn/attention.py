@@ -162,8 +162,8 @@ def zigzag_ring_forward(q, k, v, softmax_scale: float, group=None, backend: str 
     """
     rank, world = _ring_position(group)
     _check_docs(docs, q, world)
-    if docs is not None and docs.dispatch is not None:  # packed rows in cost-balanced chunks (dispatch_ring.py)
-        from ..dispatch_ring import dispatch_forward
+    if docs is not None and docs.dispatch is not None:  # packed rows in cost-balanced chunks (dispatch/ring.py)
+        from ..dispatch.ring import dispatch_forward
         return dispatch_forward(q, k, v, softmax_scale, group, backend, docs)
     if world == 1:
         if docs is not None:
@@ -199,7 +199,7 @@ def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=No
     rank, world = _ring_position(group)
     _check_docs(docs, q, world)
     if docs is not None and docs.dispatch is not None:
-        from ..dispatch_ring import dispatch_backward
+        from ..dispatch.ring import dispatch_backward
         return dispatch_backward(dout, q, k, v, out, lse, softmax_scale, group, backend, docs)
     if world == 1:
         if docs is not None:

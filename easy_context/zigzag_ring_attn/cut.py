@@ -5,9 +5,9 @@ Packed rows (``positions=`` with a restart at 0) use the finer k-pair form of th
 every row without restarts. ``pairs=`` forces k (tests, benchmarks).
 
 With ``dispatch=`` a table (or ``"auto"``: planned from the global ``positions=``) packed rows are dealt in
-cost-balanced chunks instead (dispatch.py); ``pairs=`` and EASY_CONTEXT_PACKED_LAYOUT=pairs keep the k-pair form.
+cost-balanced chunks instead (dispatch/plan.py); ``pairs=`` and EASY_CONTEXT_PACKED_LAYOUT=pairs keep the k-pair form.
 """
-from ..dispatch import resolve
+from ..dispatch.plan import resolve
 from ..sharding import layout_pairs, pairs_shard, pairs_unshard
 
 

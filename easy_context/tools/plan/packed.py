@@ -3,8 +3,8 @@
 For one sampled row (seed 0) of the given document length distribution and the recommended candidate's ring size
 W: each layout's per-rank attention work (score elements of its q rows: keys attended per token, as the ring
 computes them), turned into fwd+bwd milliseconds with the GPU's measured attention throughput; for the dispatch also
-its launches, pieces, steps and per-token passes priced by dispatch.py's fitted time model
-(dispatch_segments.Estimate.time), with the max/mean of those times (what dispatch.pick balances). Layouts: plain
+its launches, pieces, steps and per-token passes priced by dispatch/plan.py's fitted time model
+(dispatch.segments.Estimate.time), with the max/mean of those times (what dispatch.pick balances). Layouts: plain
 zigzag, the fixed k-pair zigzag (issue #14) and the cost-balanced dispatch (issue #28, the default for packed rows).
 A model, not a measurement: bench/bench_packed.py measures the same rows on a GPU.
 """
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ...dispatch import STEP_TIME, estimate, per_token_time, plan_dispatch, token_costs
+from ...dispatch.plan import STEP_TIME, estimate, per_token_time, plan_dispatch, token_costs
 from ...sharding import pair_chunks, zigzag_pairs
 
 

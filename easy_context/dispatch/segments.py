@@ -1,6 +1,6 @@
 """Unequal chunks for the dispatch (issue #28): refine an equal-chunk deal by moving the boundaries between ranks.
 
-An equal-chunk deal (dispatch_solve.solve) cannot balance a row whose cost sits in one long document: a chunk of its
+An equal-chunk deal (dispatch.solve.solve) cannot balance a row whose cost sits in one long document: a chunk of its
 tail costs more than a rank's share allows. Here the deal is seen as segments (maximal runs of one rank's chunks) and
 the boundaries between them move, in tile steps, in cycles that keep every rank's token count: the most loaded rank a
 gives the d tokens at one of its segment edges to the neighbour x and takes d tokens back at another edge, from x
@@ -16,7 +16,7 @@ import bisect
 
 import numpy as np
 
-from .dispatch_cost import MODEL
+from .cost import MODEL
 
 
 def segments(cuts, owners) -> list[list[int]]:
@@ -188,7 +188,7 @@ class Estimate:
     with more, smaller chunks it counts a few rectangles more than the kernel runs (adjacent kv rows merge there)."""
 
     def __init__(self, segs, prefix, restarts, first, world, window=None):
-        from .kernels.documents import RECT_VARLEN_MAX, VARLEN_MIN_DOCS, VARLEN_MIN_RECTS, VARLEN_WINDOW
+        from ..kernels.documents import RECT_VARLEN_MAX, VARLEN_MIN_DOCS, VARLEN_MIN_RECTS, VARLEN_WINDOW
         self.work, self.pieces, self.steps = [0.0] * world, [0] * world, [1] * world
         # launches by kind (FA4, kernels/documents._group): a rank's own step lists its diagonal pieces (one per
         # document part) first, contiguous across its segments: one varlen launch when there are >= VARLEN_MIN_DOCS,

@@ -1,5 +1,5 @@
 """Dispatch tables planned ahead in a helper process: while a step runs, one spawned process plans the next batches'
-packed-row tables (dispatch.py) with the very planner ``prepare_seq_parallel_inputs`` would run
+packed-row tables (dispatch/plan.py) with the very planner ``prepare_seq_parallel_inputs`` would run
 (``mode.dispatch_of``: same code, same inputs, so every rank still derives the same table without a collective).
 ``HelperPlanner`` is what train.py's read-ahead (easy_context_train/plan_ahead.py) and the Trainer integration
 (integrations/trainer.py) use; a helper that cannot start or dies falls back to planning in this process.
@@ -35,7 +35,7 @@ def _helper_init() -> None:
 
 def plan_table(mode_name: str, sp: int, layout_kw: dict, positions):
     """The dispatch table ``prepare_seq_parallel_inputs`` would plan for these global (B, L) positions (or None)."""
-    from .registry import get_mode
+    from ..registry import get_mode
     return get_mode(mode_name).dispatch_of(sp, positions=positions, dispatch="auto", **layout_kw)
 
 
@@ -85,7 +85,7 @@ class HelperPlanner:
 
 
 def _packed(pos) -> bool:
-    from .sharding import packed_rows
+    from ..sharding import packed_rows
     return packed_rows(pos)
 
 

@@ -2,18 +2,10 @@
 
 A packed row (position_ids restarting at 0) costs sum(doc_len^2)/2 attention, concentrated in the long documents,
 so a fixed cut (zigzag, k mirrored pairs) leaves one rank slow. Here the row is cut into chunks dealt to the W ranks
-so that each rank's predicted time is balanced. One concern a file:
-
-    dispatch_table.py     the table (``Dispatch``), its errors, its route (``DISPATCH_KWARG``) and the checks on it;
-                          imports nothing else of easy_context (the geometry and the kernels read tables)
-    dispatch_cost.py      per-token work and the fitted per-rank time model (plan_constants.json's "dispatch")
-    dispatch_segments.py  unequal chunks: an equal deal's boundaries moved between ranks; a deal's estimate
-    dispatch_solve.py     the equal-chunk deal (LPT + swaps), the options and the pick among them
-    dispatch.py           this file: ``plan_dispatch`` (a batch's table, planned once), ``resolve`` (what a cut uses)
-    dispatch_ring.py      the attention's ring over a table (each rank's q rows against the kv chunks they need)
+so that each rank's predicted time is balanced (the package's files: dispatch/__init__.py).
 
 The table (``Dispatch``) is a pure function of the global position ids (and W, window); its one explicit route to
-the attention is ``prepared.model_kwargs`` (dispatch_table.py). Rows without restarts are not dispatched (plain
+the attention is ``prepared.model_kwargs`` (dispatch/table.py). Rows without restarts are not dispatched (plain
 zigzag, exactly as before). Without ``dispatch=`` packed rows take the data-independent k-pair layout (sharding.py),
 which the attention rebuilds from the local positions alone: the plain ``model(local_ids, position_ids=local_pos)``
 contract. ``EASY_CONTEXT_PACKED_LAYOUT=pairs`` turns the dispatch off where it would be the default (a
@@ -23,21 +15,21 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch_cost import (MODEL, NAMES, TimeModel, _arrays, _doc_start, _stats, per_token_time,  # noqa: F401
+from .cost import (MODEL, NAMES, TimeModel, _arrays, _doc_start, _stats, per_token_time,  # noqa: F401
                             token_costs)
-from .dispatch_solve import (BALANCE_SLACK, BALANCE_TARGET, DEEP_SOURCES, MAX_PER_RANK, TILE, Prediction,  # noqa: F401
+from .solve import (BALANCE_SLACK, BALANCE_TARGET, DEEP_SOURCES, MAX_PER_RANK, TILE, Prediction,  # noqa: F401
                              _pick_segments, balance, candidates, deal_options, equal_deals, estimate, pick, predict,
                              segment_options, solve, tile_of)
-from .dispatch_table import (AUTO, DISPATCH_KWARG, LAYOUT_ENV, Dispatch, DispatchError, _hash, _key,  # noqa: F401
+from .table import (AUTO, DISPATCH_KWARG, LAYOUT_ENV, Dispatch, DispatchError, _hash, _key,  # noqa: F401
                              check_fingerprint, check_world, fingerprint, packed_layout, table_of)
-from .sharding import packed_rows
+from ..sharding import packed_rows
 
 
 def plan_dispatch(positions: torch.Tensor, world: int, window: int | None = None,
                   per_rank: int | None = None) -> Dispatch | None:
     """The dispatch of a batch whose global ``positions`` (B, L) are packed (None for rows without restarts, which
     keep plain zigzag, or one rank): the equal-chunk deals (``per_rank`` forces their chunks per rank; default: every
-    candidate) as they are and with their boundaries moved (dispatch_segments.py), the fastest predicted of these or a
+    candidate) as they are and with their boundaries moved (dispatch/segments.py), the fastest predicted of these or a
     better balanced one within BALANCE_SLACK of it (``pick``), with a deeper boundary search for rows that leaves
     unbalanced (``deal_options``). The solvers this one replaced are bench/dispatch_solvers.py's."""
     if world <= 1 or not packed_rows(positions):
@@ -83,7 +75,7 @@ def resolve(world: int, positions=None, pairs=None, dispatch=None, window=None) 
 
 
 def __getattr__(name):
-    """The fitted time model's constants (``MS_PER_ELEM``, ``PIECE_TIME``, ...): ``dispatch_cost.MODEL``'s current
+    """The fitted time model's constants (``MS_PER_ELEM``, ``PIECE_TIME``, ...): ``dispatch.cost.MODEL``'s current
     values (plan_constants.json's, or a fit bench/packed_calibrate.py swapped in)."""
     if name in NAMES:
         return getattr(MODEL, name)

@@ -1,12 +1,12 @@
 """The solver of the packed-row dispatch: equal-chunk deals, their boundaries moved, and the pick among them.
 
 A packed row is cut into C = W * m equal chunks (the chunk length a multiple of a kernel tile, 128 when the length
-allows) and dealt to the W ranks, m each, balancing each rank's *q-side* cost (dispatch_cost.token_costs): the
+allows) and dealt to the W ranks, m each, balancing each rank's *q-side* cost (dispatch.cost.token_costs): the
 greedy deal (largest first to the least loaded rank with room, then pairwise swaps off the slowest rank) is the
 classic LPT heuristic (``solve``); dealing attention work by a solver is the idea of MagiAttention's dispatcher
-(SandAI 2025), written here from scratch. dispatch_segments.py then moves the boundaries between ranks, and ``pick``
-keeps the fastest predicted deal (dispatch_cost.MODEL) or, when that one is unbalanced, a better balanced one
-predicted within BALANCE_SLACK of it. dispatch.py plans a batch's table with these (``plan_dispatch``).
+(SandAI 2025), written here from scratch. dispatch/segments.py then moves the boundaries between ranks, and ``pick``
+keeps the fastest predicted deal (dispatch.cost.MODEL) or, when that one is unbalanced, a better balanced one
+predicted within BALANCE_SLACK of it. dispatch/plan.py plans a batch's table with these (``plan_dispatch``).
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch_cost import MODEL, _arrays, _stats, per_token_time
-from .dispatch_segments import Estimate, refine, segments, to_table
-from .dispatch_table import DispatchError
+from .cost import MODEL, _arrays, _stats, per_token_time
+from .segments import Estimate, refine, segments, to_table
+from .table import DispatchError
 
 TILE = 128               # chunk lengths are multiples of this kernel tile when the row length allows it
 MAX_PER_RANK = 16        # chunks per rank tried by the cost model (more = better balance, more kernel calls)
@@ -129,7 +129,7 @@ def predict(positions: torch.Tensor, world: int, per_rank: int, window: int | No
 
 
 def estimate(positions: torch.Tensor, cuts, owners, window: int | None = None, stats=None):
-    """dispatch_segments.Estimate (work, pieces, steps per rank) of the deal ``(cuts, owners)`` of ``positions``."""
+    """dispatch.segments.Estimate (work, pieces, steps per rank) of the deal ``(cuts, owners)`` of ``positions``."""
     prefix, restarts, start = _arrays(positions, window, stats)
     return Estimate(segments(cuts, owners), prefix, restarts, start, len(owners), window)
 
@@ -217,7 +217,7 @@ def pick(options, tokens: int, slack: float = BALANCE_SLACK, target: float = BAL
 def segment_options(positions, length, world, window, tried, stats, sources: int = 1):
     """The deals the segment solver chooses from, as (predicted slowest-rank time, m, kind, segments, predicted rank
     times; times in score elements without the per-token part, equal on every rank): every per-m best equal-chunk
-    deal (kind 0), and each with its boundaries moved by dispatch_segments.refine: balancing work alone (kind 1),
+    deal (kind 0), and each with its boundaries moved by dispatch.segments.refine: balancing work alone (kind 1),
     then from there time (2), and time from the start (3: fewer moves, pieces kept together). ``sources`` > 1: the
     refines' deeper search (kinds 4-6 for 1-3, no kind 0)."""
     prefix, restarts, start = _arrays(positions, window, stats)

@@ -1,4 +1,4 @@
-"""Attention over a dispatched packed row (dispatch.py): every rank's q chunks against exactly the kv they need.
+"""Attention over a dispatched packed row (dispatch/plan.py): every rank's q chunks against exactly the kv they need.
 
 Layout: rank r holds the chunks ``dispatch.owners[r]`` (increasing global order, n = L / W rows in all); q/out/dq
 ``(B, n, Hq, D)``, k/v/dk/dv ``(B, n, Hkv, D)``, lse fp32 ``(B, Hq, n)``. A rank computes every score of its
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
-from .comm import group_rank_world, p2p_exchange
-from .dispatch_table import check_world
+from .. import kernels
+from ..comm import group_rank_world, p2p_exchange
+from .table import check_world
 
 
 def _acc(x):

@@ -1,7 +1,7 @@
 """The dispatch table of packed rows (``Dispatch``): which chunks of a packed row each sequence-parallel rank holds,
 and the checks on its one route to the attention.
 
-The table is a pure function of the global position ids (and W, window), planned by dispatch.py. The attention only
+The table is a pure function of the global position ids (and W, window), planned by dispatch/plan.py. The attention only
 sees *local* position ids, from which the table cannot be rebuilt (chunks of equal documents look alike), so it has
 one explicit route, like ``cu_seqlens`` in flash-attn's varlen API: ``prepare_seq_parallel_inputs(...,
 dispatch="auto")`` (and ``ParallelLayout.prepare_inputs``, which train.py and the Trainer integration use) return it
@@ -33,7 +33,7 @@ class DispatchError(ValueError):
 
 
 def packed_layout() -> str:
-    """``EASY_CONTEXT_PACKED_LAYOUT``: "dispatch" (default, dispatch.py) or "pairs" (sharding.py's k-pair zigzag)."""
+    """``EASY_CONTEXT_PACKED_LAYOUT``: "dispatch" (default, dispatch/plan.py) or "pairs" (sharding.py's k-pair zigzag)."""
     raw = os.environ.get(LAYOUT_ENV) or "dispatch"
     if raw not in ("dispatch", "pairs"):
         raise ValueError(f"{LAYOUT_ENV}={raw!r} must be 'dispatch' (cost-balanced chunks, the default) or 'pairs' "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .cost_model.constants import load_constants
+from ..cost_model.constants import load_constants
 
 
 @dataclass
