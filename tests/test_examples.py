@@ -72,6 +72,7 @@ def test_documented_usp_lora_command_equals_one_process(out):
     _same(usp, ref, "SFTTrainer usp_attn ring 2 x ulysses 2, LoRA r8, 4 ranks")
 
 
+@pytest.mark.slow  # the Trainer zigzag 2 ranks: test_integrations.py
 def test_documented_trainer_command_equals_one_process(out):
     """docs/trainer.md: torchrun --nproc_per_node 2 examples/trainer_sp.py --tiny --mode zigzag_ring_attn."""
     cmd = ["examples/trainer_sp.py", "--tiny"]

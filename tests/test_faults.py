@@ -308,6 +308,7 @@ def zero3_chain(toy, tmp_path_factory):
     return chain
 
 
+@pytest.mark.slow  # four ZeRO-3 launches (~115 s); in-process: test_nothing_lost.py
 def test_zero3_final_save_full_disk_other_model_and_dead_rank_are_one_line_each(zero3_chain):
     """#5, #4, #3, #11 on accelerate_configs/cpu.yaml (DeepSpeed ZeRO-3, 2 gloo ranks)."""
     rc, log = zero3_chain["full"]
@@ -335,6 +336,7 @@ def test_zero3_final_save_full_disk_other_model_and_dead_rank_are_one_line_each(
     assert zero3_chain["listening"] == {"127.0.0.1"}, zero3_chain["listening"]
 
 
+@pytest.mark.slow  # four ZeRO-3 launches (~115 s); in-process: test_nothing_lost.py
 def test_zero3_resume_is_bit_for_bit(toy, zero3_chain):
     """#7: --resume from step 10 (CPU Adam's state rebuilt) to the end: the stitched losses are the unbroken run's,
     bit for bit (before: 3.9081380 vs 3.9081378 at step 15 of a zigzag run resumed at 10)."""

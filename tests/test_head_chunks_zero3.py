@@ -6,6 +6,8 @@ parameters) while the projections are partitioned: loss and every full gradient 
 ZeRO-3 without groups; afterwards no parameter is left gathered. DeepSpeed on CPU over gloo."""
 from __future__ import annotations
 
+import pytest
+
 import copy
 
 import torch
@@ -81,6 +83,7 @@ def _body(rank, world_size):
                 assert_close(g, plain[1][name], REL, f"{tag} grad {name} vs ZeRO-3 without groups")
 
 
+@pytest.mark.slow  # ~36 s; head groups exact in test_head_chunks.py / test_memory.py
 def test_head_chunks_under_zero3_w2():
     run_ranks(_body, 2)
 

@@ -259,6 +259,7 @@ def test_ulysses_on_three_ranks(smollm2_dir, tmp_path):
 GEMMA3_CASES = (("zigzag_ring_attn", {}), ("dist_flash_attn", {}), ("ulysses_attn", {}))
 
 
+@pytest.mark.slow  # the second family (fetch + convert ~75 s); SmolLM2's tests are the default run's real model
 def test_gemma3_converted_model(gemma3_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     d = Path(gemma3_dir)
@@ -280,6 +281,7 @@ def test_gemma3_converted_model(gemma3_dir):
     assert "Paris" in answer, answer
 
 
+@pytest.mark.slow  # the second family (fetch + convert ~75 s); SmolLM2's tests are the default run's real model
 def test_gemma3_modes_equal_one_process(gemma3_dir, tmp_path):
     """The real weights of every layer; the embedding and head cut to the text's tokens (_text_vocab)."""
     _run_modes(gemma3_dir, "Gemma 3 270M (head cut to the text's tokens)", GEMMA3_CASES, tmp_path, text_vocab=True)
@@ -292,6 +294,7 @@ def test_gemma3_every_mode_whole_model(gemma3_dir, tmp_path):
                                                            ("usp_attn", {"ring_degree": 1})), tmp_path)
 
 
+@pytest.mark.slow  # the second family (fetch + convert ~75 s); SmolLM2's tests are the default run's real model
 def test_gemma3_check_cli_passes(gemma3_dir, capsys):
     """``check --model DIR`` on Gemma 3: zigzag (the default) passes, both RoPEs and the window reported (the
     vocabulary shrunk: 262,144 random rows cost 40 s here and no attention weight)."""
