@@ -21,7 +21,8 @@ def test_train_step_bench_paths_agree_on_cpu():
     assert "cpu smoke" in r.stdout
 
 
-@pytest.mark.parametrize("flags", [["--auto"], ["--head-chunks", "2", "--layers", "1"]])
+@pytest.mark.parametrize("flags", [["--auto"], pytest.param(["--head-chunks", "2", "--layers", "1"],
+                                                              marks=pytest.mark.slow)])  # --auto picks head groups too
 def test_memory_bench_code_paths_run_on_cpu(flags):
     """bench_memory.py --tiny: every implementation and length of the GPU bench runs (--auto: the budgets' choice;
     --head-chunks: attention blocks in head groups, recorded in the rows; --layers: a shallower model), so a device
