@@ -273,3 +273,15 @@ def test_comment_check_sees_measurements(tmp_path, comment):
 def test_comment_check_leaves_plain_comments(tmp_path, comment):
     pkg = _package(tmp_path, {"m.py": f"x = 1  {comment}\n"})
     assert measured_comments(pkg) == []
+
+
+def test_data_files_ship_in_the_wheel():
+    """Every data file the package reads at run time is in pyproject's package-data (a non-editable install otherwise
+    lacks it: `plan` and the cost model read tools/plan_constants.json). READMEs are documentation."""
+    import fnmatch
+    import tomllib
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = [f.relative_to(PACKAGE).as_posix() for f in PACKAGE.rglob("*") if f.is_file()
+            and f.suffix not in (".py", ".pyc", ".md") and "__pycache__" not in f.parts]
+    missing = [f for f in data if not any(fnmatch.fnmatch(f, pat) for pat in declared.get("easy_context", []))]
+    assert data and not missing, f"data files of easy_context/ not in [tool.setuptools.package-data]: {missing}"

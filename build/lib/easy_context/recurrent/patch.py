@@ -1,0 +1,120 @@
+"""Hook called by apply_seq_parallel_monkey_patch for a model instance: refuse unsupported recurrent layers and
+route the supported ones through the sequence-parallel chain; ``data_parallel`` puts everything back.
+
+Per model instance (nothing global): a forward pre-hook on the model's base model records the position ids of
+the current call (recurrent layers are not given them by the decoder layers); each recurrent layer gets an
+instance ``forward`` that builds (once per position tensor) the plan of pieces and runs the chain."""
+from __future__ import annotations
+
+import weakref
+
+
+from .adapter import get_adapter
+from .chain import run_layer
+from .detect import check_supported
+from .pieces import build_plan
+from ..registry import get_mode
+
+_ATTR = "_easy_context_recurrent"
+
+
+class _Context:
+    """One patched model's state: mode, groups, the current call's position ids and its cached plan."""
+
+    def __init__(self, mode, groups, require_table: bool = False):
+        self.mode, self._groups, self.require_table = mode, groups, require_table
+        self.position_ids = None
+        self.dispatch = None  # the packed rows' table the current call carries (dispatch.DISPATCH_KWARG)
+        self._plan = None  # (weakref to position ids, version, batch, length, Plan)
+        self.hook = None
+        self.layers: list = []
+        self.infer = None  # SeqParallelLM's decode handle (inference.py), None in training
+
+    def groups(self) -> dict:
+        if "ring_degree" in self._groups:  # no process group at patch time: built now, collectively
+            from ..parallel_layout import ParallelLayout
+            self._groups = ParallelLayout.build(self.mode, ring_degree=self._groups["ring_degree"]).attn_groups()
+        return self._groups
+
+    def plan(self, batch, length):
+        pos = self.position_ids
+        version = None if pos is None or pos.is_inference() else pos._version
+        hit = self._plan
+        if hit is not None and hit[0]() is pos and hit[1:4] == (version, batch, length) and pos is not None \
+                and hit[4] is self.dispatch:
+            return hit[5]
+        plan = build_plan(self.mode, self.groups(), pos, batch, length, self.dispatch, self.require_table)
+        self._plan = (weakref.ref(pos) if pos is not None else (lambda: None), version, batch, length,
+                      self.dispatch, plan)
+        return plan
+
+
+def _record_positions(ctx):
+    from ..dispatch.table import table_of
+
+    def hook(module, args, kwargs):
+        ctx.position_ids = kwargs.get("position_ids")
+        ctx.dispatch = table_of(kwargs, ctx.mode)
+    return hook
+
+
+def _forward_for(ctx, layer, adapter):
+    def forward(hidden_states, *args, cache=None, attention_mask=None, **kwargs):
+        has_cache = cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("cache_params") is not None
+        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        if (has_cache or padded) and not ctx.mode.is_parallel:  # one process, generation: the layer as it is
+            return type(layer).forward(layer, hidden_states, *args, cache=cache, attention_mask=attention_mask, **kwargs)
+        if has_cache:
+            raise ValueError(f"{ctx.mode.name}: a cache is not supported in the sequence-parallel recurrent layers; "
+                             "call the model with use_cache=False")
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError(f"{ctx.mode.name}: padding (attention_mask with zeros) is not supported in the "
+                             "sequence-parallel recurrent layers; pack documents and mark them with position_ids")
+        if ctx.infer is not None:  # SeqParallelLM: forward / prefill / decode (inference.py)
+            return ctx.infer.run(ctx, layer, hidden_states)
+        plan = ctx.plan(hidden_states.shape[0], hidden_states.shape[1])
+        return run_layer(plan, adapter, layer, hidden_states)
+    return forward
+
+
+def _unpatch(model) -> None:
+    ctx = getattr(model, _ATTR, None)
+    if ctx is None:
+        return
+    if ctx.hook is not None:
+        ctx.hook.remove()
+    for layer in ctx.layers:
+        layer.__dict__.pop("forward", None)
+    delattr(model, _ATTR)
+
+
+def apply(mode, model, groups: dict, require_table: bool = False) -> None:
+    """Patch ``model``'s recurrent layers for ``mode`` (a Mode; a name from a user is resolved here, once). ``data_parallel``: the supported layers still honour
+    document restarts in position_ids (one process, one piece; identical to the plain layer on unpacked rows and
+    with a cache); unsupported ones stay plain (nothing is cut)."""
+    _unpatch(model)
+    mode = get_mode(mode)
+    if not mode.is_parallel:
+        from .detect import recurrent_layers
+        layers = [(n, m) for n, m in recurrent_layers(model) if get_adapter(m) is not None]
+    else:
+        layers = check_supported(mode, model)
+    if not layers:
+        return
+    ctx = _Context(mode, dict(groups), require_table)
+    base = getattr(model, "base_model", model)
+    ctx.hook = base.register_forward_pre_hook(_record_positions(ctx), with_kwargs=True)
+    for _, layer in layers:
+        layer.forward = _forward_for(ctx, layer, get_adapter(layer))
+        ctx.layers.append(layer)
+    setattr(model, _ATTR, ctx)
+
+
+def refuse_family(mode, family) -> None:
+    """A family-string patch cannot reach the recurrent layers (they are wrapped per instance): refuse it."""
+    if family.recurrent and mode.is_parallel:
+        raise ValueError(f"{family.name} has recurrent layers ({', '.join(family.recurrent)}) that are patched per "
+                         f"model: pass the model instance, apply_seq_parallel_monkey_patch({mode.name!r}, model)")
+
+
+__all__ = ["apply", "refuse_family"]
