@@ -108,9 +108,7 @@ def _check(a, e, rel, name):
 
 
 # (mode, layout kwargs): every sp mode the 9 q / 3 kv heads allow on 2 ranks
-# The default run: the two ring algorithms. usp_attn at ring 2 x ulysses 1 on 2 ranks runs zigzag's ring (the same
-# numbers; docs/real-model.md): slow only, with Ulysses at 3 ranks.
-CASES = (("zigzag_ring_attn", {}), ("dist_flash_attn", {}))
+CASES = (("zigzag_ring_attn", {}), ("dist_flash_attn", {}), ("usp_attn", {"ring_degree": 2}))
 
 
 def _modes_body(rank, world, model_dir, seq_len, cases, out_path, grad_rel=GRAD_REL, text_vocab=False):
@@ -220,11 +218,6 @@ def test_modes_equal_one_process(smollm2_dir, tmp_path):
     _run_modes(smollm2_dir, "SmolLM2-135M", CASES, tmp_path)
 
 
-@pytest.mark.slow
-def test_usp_equals_one_process(smollm2_dir, tmp_path):
-    _run_modes(smollm2_dir, "SmolLM2-135M", (("usp_attn", {"ring_degree": 2}),), tmp_path)
-
-
 def test_heads_refuse_ulysses_degree_2(smollm2_dir):
     """9 q / 3 kv heads: a Ulysses degree must divide 9 - 2 does not (ulysses on 2 ranks, usp ring 1 x ulysses 2)."""
     from easy_context.parallel_layout import ParallelLayout
@@ -266,7 +259,6 @@ def test_ulysses_on_three_ranks(smollm2_dir, tmp_path):
 GEMMA3_CASES = (("zigzag_ring_attn", {}), ("dist_flash_attn", {}), ("ulysses_attn", {}))
 
 
-@pytest.mark.slow  # the second family (fetch + convert ~75 s); SmolLM2's tests are the default run's real model
 def test_gemma3_converted_model(gemma3_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     d = Path(gemma3_dir)
@@ -288,7 +280,6 @@ def test_gemma3_converted_model(gemma3_dir):
     assert "Paris" in answer, answer
 
 
-@pytest.mark.slow  # the second family (fetch + convert ~75 s); SmolLM2's tests are the default run's real model
 def test_gemma3_modes_equal_one_process(gemma3_dir, tmp_path):
     """The real weights of every layer; the embedding and head cut to the text's tokens (_text_vocab)."""
     _run_modes(gemma3_dir, "Gemma 3 270M (head cut to the text's tokens)", GEMMA3_CASES, tmp_path, text_vocab=True)
@@ -301,7 +292,6 @@ def test_gemma3_every_mode_whole_model(gemma3_dir, tmp_path):
                                                            ("usp_attn", {"ring_degree": 1})), tmp_path)
 
 
-@pytest.mark.slow  # the second family (fetch + convert ~75 s); SmolLM2's tests are the default run's real model
 def test_gemma3_check_cli_passes(gemma3_dir, capsys):
     """``check --model DIR`` on Gemma 3: zigzag (the default) passes, both RoPEs and the window reported (the
     vocabulary shrunk: 262,144 random rows cost 40 s here and no attention weight)."""
