@@ -11,8 +11,11 @@
 #   bash bench/gpu_hybrid_fla.sh test     # tests/test_delta_fla.py (fla vs torch, W = 2/4/8, bf16 drift) + CPU tests
 #   bash bench/gpu_hybrid_fla.sh layer    # bench_hybrid one layer (Qwen3-Next shape) at 32K and 128K: new vs old path
 #   bash bench/gpu_hybrid_fla.sh model [L...]  # bench_hybrid --model: Qwen3.5-9B-width stack vs attention twin
-#                                         # (default L = 32768 131072), then the 9B-width GDN layer at W = 8, 128K
-#   bash bench/gpu_hybrid_fla.sh model512 # the same stack pair at 512K, one timed step each (twin ~80 s a step)
+#                                         # (default L = 32768 131072; ~9 min with first-call compiling)
+#   bash bench/gpu_hybrid_fla.sh layer9b  # the 9B-width GDN layer at W = 8, 128K: par/share, peaks
+#   bash bench/gpu_hybrid_fla.sh model512 # the same stack pair at 512K, one step each, checkpoint offload (with
+#                                         # layer checkpointing both ran out of 80 GB)
+#   bash bench/gpu_hybrid_fla.sh profile  # bench/gdn_profile.py: the 9B-width layer's own vs parallel path, 16K tokens
 # Logs go to $OUT (the device call's output folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,11 +54,19 @@ case "${1:-}" in
   model)
     shift
     install
-    timeout 560 python3 bench/bench_hybrid.py --model --lengths ${@:-32768 131072} --worlds 8 --length 131072 \
-      --no-chain --iters 2 2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_model.log" | tail -16 || true ;;
+    timeout 560 python3 bench/bench_hybrid.py --model --lengths ${@:-32768 131072} --no-layer 2>&1 | grep -v Warn \
+      | tee "$OUT/hybrid_fla_model.log" | tail -8 || true ;;
+  layer9b)  # one call of its own: with `model` it ran past 560 s
+    install
+    timeout 560 python3 bench/bench_hybrid.py --length 131072 --size qwen35 --layers gated_deltanet --worlds 8 \
+      --no-chain --no-old --iters 2 2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_layer9b.log" | tail -8 || true ;;
   model512)
     install
-    timeout 560 python3 bench/bench_hybrid.py --model --lengths 524288 --steps 1 --no-layer 2>&1 | grep -v Warn \
+    timeout 560 python3 bench/bench_hybrid.py --model --lengths 524288 --steps 1 --no-layer --checkpointing offload 2>&1 \
+      | grep -v Warn \
       | tee "$OUT/hybrid_fla_model512.log" | tail -8 || true ;;
-  *) echo "usage: $0 pack|test|layer|model [L...]|model512" >&2; exit 2 ;;
+  profile)
+    install
+    timeout 560 python3 bench/gdn_profile.py --tokens 16384 2>&1 | grep -v Warn | tee "$OUT/gdn_profile.log" | head -90 || true ;;
+  *) echo "usage: $0 pack|test|layer|model [L...]|layer9b|model512|profile" >&2; exit 2 ;;
 esac

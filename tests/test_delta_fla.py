@@ -159,7 +159,7 @@ def test_fla_facade_matches_torch_on_varlen_rows():
 @pytest.mark.gpu
 @GPU
 def test_bf16_parallel_error_and_no_drift_over_8_pieces(monkeypatch):
-    """bf16 layer, zigzag W = 4 (8 pieces) at 8192 tokens: the parallel path's error against the float32 torch
+    """bf16 layer, zigzag W = 4 at 8192 tokens (7 pieces: the middle rank's two halves are adjacent and merge): the parallel path's error against the float32 torch
     reference is within FLA_FACTOR x fla's own one-process error (and < 2e-2); the float32 state chain composed
     from bf16 summaries does not drift over the 8 pieces."""
     from easy_context.recurrent import delta_kernels
@@ -167,7 +167,7 @@ def test_bf16_parallel_error_and_no_drift_over_8_pieces(monkeypatch):
     ref_layer, layer = _layer(torch.float32), _layer(torch.bfloat16)
     idx, plan = simulated_plan("zigzag_ring_attn", L, W)
     one = _one(L, None)
-    assert len(plan.pieces) == 8
+    assert len(plan.pieces) == 7
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1, L, 256, device="cuda", generator=g)
     dy = torch.randn(1, L, 256, device="cuda", generator=g)

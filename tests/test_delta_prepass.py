@@ -5,6 +5,7 @@ grouped value heads. And the parallel path on one process with multi-chunk piece
 equals the layer (output, input and every parameter gradient, fp32 1e-5). (GPU: tests/test_delta_fla.py.)"""
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -84,7 +85,7 @@ def test_rule_from_a_state_equals_the_sequential_recurrence():
         assert_close(final[s], want_f, 1e-5, f"final state of sequence {s}")
 
 
-def test_multi_chunk_pieces_equal_the_layer(family="qwen3_next"):
+def test_multi_chunk_pieces_equal_the_layer(monkeypatch, family="qwen3_next"):
     """(qwen3_5's projections: tests/test_hybrid_parallel.py.) Pieces of 70, 1, 129 and 66 tokens (chunk 64) with document starts on an edge and inside pieces, rows with
     different starts: the parallel path (pre-pass, composition, one kernel pass, adjoint) equals the layer."""
     from easy_context.recurrent.adapter import get_adapter
@@ -93,6 +94,10 @@ def test_multi_chunk_pieces_equal_the_layer(family="qwen3_next"):
     from tests.hybrid_models import build_hybrid
     layer = recurrent_layers(build_hybrid(family))[0][1]
     adapter = get_adapter(layer)
+    # the reference is the layer's own forward on CPU tensors: where fla is installed, transformers' hub wrapper
+    # would hand them to fla's Triton kernels (CUDA only), so the reference runs the model file's torch rule
+    mod = sys.modules[type(layer).__module__]
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", inspect.unwrap(mod.torch_chunk_gated_delta_rule))
     cuts = (0, 70, 71, 200, 266)
     L = cuts[-1]
     pieces = tuple(Piece(0, a, b - a, a) for a, b in zip(cuts, cuts[1:]))
