@@ -1,6 +1,7 @@
-"""Run the cases on spawned gloo ranks (``rank.py`` is what each rank runs) and collect their results."""
+"""Run the cases on gloo ranks (``rank.py`` is what each rank runs) and collect their results."""
 from __future__ import annotations
 
+import os
 import queue
 import time
 
@@ -9,7 +10,7 @@ from .case import Case
 
 
 def run_cases(cases: list[Case], world: int, timeout: float = 600.0, collective_timeout: float = 120.0) -> list[dict]:
-    """Run every case on ``world`` spawned gloo ranks (one spawn: the imports are paid once).
+    """Run every case on ``world`` gloo ranks started once (the imports are paid once per call).
 
     Returns, per case, ``{"info": rank 0's model/RoPE summary | None, "results": [sp-rank-0 payload per dp
     group], "error": (rank, traceback) | None}``.
@@ -18,11 +19,19 @@ def run_cases(cases: list[Case], world: int, timeout: float = 600.0, collective_
     import torch.multiprocessing as mp
 
     from .rank import rank_entry
-    ctx = mp.get_context("spawn")  # fork would copy the parent's torch threads and state
+    # Not fork: it would copy the parent's torch threads and state. A forkserver imports torch and transformers once
+    # per process and forks every later call's ranks from there (a caller running many checks pays them once); the
+    # ranks get the caller's environment of now, not the server's from its start.
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+                                    "easy_context.tools.check.rank"])
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_entry, args=(r, world, port, cases, results, collective_timeout), daemon=True)
-             for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=rank_entry, args=(r, world, port, cases, results, collective_timeout, env),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out = [{"info": None, "results": [], "error": None} for _ in cases]
