@@ -16,14 +16,11 @@ from ...loss import IGNORE_INDEX as IGNORE
 from ...loss import global_count, global_sum, token_nll_sum
 
 
-def rank_entry(rank: int, world_size: int, port: int, cases: list, results, collective_timeout: float,
-               env: dict | None = None) -> None:
+def rank_entry(rank: int, world_size: int, port: int, cases: list, results, collective_timeout: float, env) -> None:
     """Process target: one gloo process; puts ``(rank, case_index, "info"|"ok"|"error", payload)`` per case,
     then ``(rank, None, "done", None)``. ``env``: the caller's environment (a forked rank has the server's)."""
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.clear()
+    os.environ.update({"TRANSFORMERS_VERBOSITY": "error", **env})
     from ..gloo import gloo_process
     try:
         with gloo_process(rank, world_size, port, collective_timeout):

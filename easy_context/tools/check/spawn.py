@@ -19,18 +19,12 @@ def run_cases(cases: list[Case], world: int, timeout: float = 600.0, collective_
     import torch.multiprocessing as mp
 
     from .rank import rank_entry
-    # Not fork: it would copy the parent's torch threads and state. A forkserver imports torch and transformers once
-    # per process and forks every later call's ranks from there (a caller running many checks pays them once); the
-    # ranks get the caller's environment of now, not the server's from its start.
-    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
-                                    "easy_context.tools.check.rank"])
+    # not fork (the parent's torch threads and state); a forkserver pays the imports once per process, not per call
+    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "easy_context.tools.check.rank"])
     results = ctx.Queue()
     port = free_port()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=rank_entry, args=(r, world, port, cases, results, collective_timeout, env),
+    procs = [ctx.Process(target=rank_entry, args=(r, world, port, cases, results, collective_timeout, dict(os.environ)),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
