@@ -62,9 +62,8 @@ case "${1:-}" in
       --no-chain --no-old --iters 2 2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_layer9b.log" | tail -8 || true ;;
   model512)
     install
-    timeout 560 python3 bench/bench_hybrid.py --model --lengths 524288 --steps 1 --no-layer --checkpointing offload 2>&1 \
-      | grep -v Warn \
-      | tee "$OUT/hybrid_fla_model512.log" | tail -8 || true ;;
+    timeout 560 python3 bench/bench_hybrid.py --model --lengths 524288 --steps 1 --no-layer --checkpointing offload \
+      2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_model512.log" | tail -8 || true ;;
   profile)
     install
     timeout 560 python3 bench/gdn_profile.py --tokens 16384 2>&1 | grep -v Warn | tee "$OUT/gdn_profile.log" | head -90 || true ;;

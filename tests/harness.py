@@ -25,9 +25,7 @@ import queue
 import time
 import traceback
 
-import torch.multiprocessing as mp
-
-from easy_context.tools.gloo import free_port, stop_ranks
+from easy_context.tools.gloo import free_port, rank_context, stop_ranks
 
 
 # imported once in the forkserver, before it forks any rank: what nearly every body imports
@@ -35,19 +33,11 @@ _PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling
             "transformers.models.llama.modeling_llama", "easy_context", "easy_context.tools.gloo", "tests.harness"]
 
 
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first run_ranks of the session)
-    return ctx
-
-
 def _entry(fn, rank, world_size, port, args, kwargs, results, collective_timeout, env):
-    os.environ.clear()  # the parent's environment at run_ranks, not the forkserver's from its start
-    os.environ.update(env)
     from easy_context.tools.gloo import gloo_process
     reported = False
     try:
-        with gloo_process(rank, world_size, port, collective_timeout):
+        with gloo_process(rank, world_size, port, collective_timeout, env):
             try:  # report before the group is torn down: peers may be blocked in a collective
                 fn(rank, world_size, *args, **kwargs)
                 results.put((rank, None))
@@ -62,12 +52,11 @@ def _entry(fn, rank, world_size, port, args, kwargs, results, collective_timeout
 def run_ranks(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
               timeout: float = 120.0, collective_timeout: float = 60.0) -> None:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; raise on any failure."""
-    ctx = _context()
+    ctx = rank_context(_PRELOAD)
     results = ctx.Queue()
     port = free_port()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(fn, r, world_size, port, args, kwargs or {}, results, collective_timeout, env))
+    procs = [ctx.Process(target=_entry, daemon=True, args=(fn, r, world_size, port, args, kwargs or {}, results,
+                                                           collective_timeout, dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()

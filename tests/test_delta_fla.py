@@ -159,9 +159,9 @@ def test_fla_facade_matches_torch_on_varlen_rows():
 @pytest.mark.gpu
 @GPU
 def test_bf16_parallel_error_and_no_drift_over_8_pieces(monkeypatch):
-    """bf16 layer, zigzag W = 4 at 8192 tokens (7 pieces: the middle rank's two halves are adjacent and merge): the parallel path's error against the float32 torch
-    reference is within FLA_FACTOR x fla's own one-process error (and < 2e-2); the float32 state chain composed
-    from bf16 summaries does not drift over the 8 pieces."""
+    """bf16 layer, zigzag W = 4 at 8192 tokens (7 pieces: the middle rank's two halves are adjacent and merge): the
+    parallel path's error against the float32 torch reference is within FLA_FACTOR x fla's own one-process error
+    (and < 2e-2); the float32 state chain composed from bf16 summaries does not drift over 8 pieces."""
     from easy_context.recurrent import delta_kernels
     L, W = 8192, 4
     ref_layer, layer = _layer(torch.float32), _layer(torch.bfloat16)

@@ -6,10 +6,9 @@ parameters) while the projections are partitioned: loss and every full gradient 
 ZeRO-3 without groups; afterwards no parameter is left gathered. DeepSpeed on CPU over gloo."""
 from __future__ import annotations
 
-import pytest
-
 import copy
 
+import pytest
 import torch
 
 from tests.harness import run_ranks

@@ -9,7 +9,6 @@ sequence in one process (per document for packed rows). Numbers go back to the p
 from __future__ import annotations
 
 import copy
-import os
 import traceback
 
 from ...loss import IGNORE_INDEX as IGNORE
@@ -19,11 +18,9 @@ from ...loss import global_count, global_sum, token_nll_sum
 def rank_entry(rank: int, world_size: int, port: int, cases: list, results, collective_timeout: float, env) -> None:
     """Process target: one gloo process; puts ``(rank, case_index, "info"|"ok"|"error", payload)`` per case,
     then ``(rank, None, "done", None)``. ``env``: the caller's environment (a forked rank has the server's)."""
-    os.environ.clear()
-    os.environ.update({"TRANSFORMERS_VERBOSITY": "error", **env})
     from ..gloo import gloo_process
     try:
-        with gloo_process(rank, world_size, port, collective_timeout):
+        with gloo_process(rank, world_size, port, collective_timeout, {"TRANSFORMERS_VERBOSITY": "error", **env}):
             for i, case in enumerate(cases):
                 try:
                     send = (lambda payload, i=i: results.put((rank, i, "info", payload)))

@@ -5,7 +5,7 @@ import os
 import queue
 import time
 
-from ..gloo import free_port, stop_ranks
+from ..gloo import free_port, rank_context, stop_ranks
 from .case import Case
 
 
@@ -16,12 +16,8 @@ def run_cases(cases: list[Case], world: int, timeout: float = 600.0, collective_
     group], "error": (rank, traceback) | None}``.
     A rank that dies, or ranks still running at ``timeout``, fail every case they had not finished.
     """
-    import torch.multiprocessing as mp
-
     from .rank import rank_entry
-    # not fork (the parent's torch threads and state); a forkserver pays the imports once per process, not per call
-    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "easy_context.tools.check.rank"])
+    ctx = rank_context(["torch", "torch.distributed", "transformers", "easy_context.tools.check.rank"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=rank_entry, args=(r, world, port, cases, results, collective_timeout, dict(os.environ)),
