@@ -16,17 +16,23 @@
 #   bash bench/gpu_hybrid_fla.sh model512 # the same stack pair at 512K, one step each, checkpoint offload (with
 #                                         # layer checkpointing both ran out of 80 GB)
 #   bash bench/gpu_hybrid_fla.sh profile  # bench/gdn_profile.py: the 9B-width layer's own vs parallel path, 16K tokens
+#   bash bench/gpu_hybrid_fla.sh save-cache  # $OUT/tcache.tar.xz: Triton's cache with autotuning picks; copied into
+#                                         # .gpusite/, later calls carrying .gpusite skip the first-call tuning
 # Logs go to $OUT (the device call's output folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
 SITE=/tmp/fla-site
 export PYTHONPATH=${FLA_ONE_CONFIG:+$PWD/bench/fla_one_config:}$SITE:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export TRITON_CACHE_DIR=/tmp/tcache TRITON_CACHE_AUTOTUNING=1
 install() {
   if [ ! -d "$SITE/fla" ]; then
     [ -f .gpusite/site.tar.xz ] || { echo "no $SITE and no .gpusite/site.tar.xz: carry .gpusite (made by: $0 pack)" >&2; exit 2; }
     mkdir -p "$SITE" && tar -C "$SITE" -xJf .gpusite/site.tar.xz
   fi
+  # Triton's compiled kernels and autotuning picks persist in /tmp/tcache; a cache saved by an earlier call
+  # (save-cache -> $OUT/tcache.tar.xz, copied to .gpusite/) is unpacked, so a fresh machine skips minutes of tuning
+  if [ -f .gpusite/tcache.tar.xz ] && [ ! -d /tmp/tcache ]; then mkdir -p /tmp/tcache && tar -C /tmp/tcache -xJf .gpusite/tcache.tar.xz; fi
   python3 -c "import triton, fla, transformers, torch; print('triton', triton.__version__, '| fla', fla.__version__, '| transformers', transformers.__version__, '| torch', torch.__version__, '|', torch.cuda.get_device_name())"
 }
 case "${1:-}" in
@@ -66,6 +72,8 @@ case "${1:-}" in
       2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_model512.log" | tail -8 || true ;;
   profile)
     install
-    timeout 560 python3 bench/gdn_profile.py --tokens 16384 2>&1 | grep -v Warn | tee "$OUT/gdn_profile.log" | head -90 || true ;;
-  *) echo "usage: $0 pack|test|layer|model [L...]|layer9b|model512|profile" >&2; exit 2 ;;
+    timeout 470 python3 bench/gdn_profile.py --tokens 16384 2>&1 | grep -v Warn | tee "$OUT/gdn_profile.log" | head -90 || true ;;
+  save-cache)  # the Triton cache (kernels + autotuning picks) back to this machine: copy it to .gpusite/ and carry
+    tar -C /tmp/tcache -cf - . | xz -T0 -6 > "$OUT/tcache.tar.xz"; ls -la "$OUT/tcache.tar.xz" ;;
+  *) echo "usage: $0 pack|test|layer|model [L...]|layer9b|model512|profile|save-cache" >&2; exit 2 ;;
 esac

@@ -11,6 +11,8 @@ N = tokens, H = value heads, Hk = key heads, dk / dv = key / value head dims, n 
   rule(q, k, v, g, beta, cu, h0)        -> o (N, H, dv), final (n, H, dk, dv)   autograd; the normal kernel pass
   summarize(k, v, g, beta, cu, seqs)    -> (R, P) per sequence in ``seqs``     no grad; the state-only pre-pass
   adjoint(q, k, v, g, beta, do, cu, seqs) -> dh0 per sequence in ``seqs``        no grad; its backward twin
+  parallel_rule(q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out) -> o    autograd; the three above around
+                                           the caller's exchanges (fla: one Function sharing w, u, delta_fla.py)
 
 The rule, per value head (transformers' torch_recurrent_gated_delta_rule; q, k l2-normalised, q scaled by dk^-1/2):
     S_t = (I - b_t k_t k_tᵀ) g_t S_{t-1} + b_t k_t v_tᵀ,   o_t = q_tᵀ S_t
@@ -130,6 +132,9 @@ class TorchKernels:
     def _norm(self, x):
         return x if self.normalized else _l2norm(x)
 
+    def parallel_rule(self, *args):
+        return parallel_rule(self, *args)
+
     def rule(self, q, k, v, g, beta, cu, h0):
         outs, finals = [], []
         for s in range(len(cu) - 1):  # sequence by sequence (equal lengths could batch; CPU / fallback path)
@@ -180,16 +185,20 @@ class FlaKernels:
         from fla.modules.norm.l2norm import l2norm
         self.l2norm = l2norm
         try:
-            from fla.ops.common.chunk_o import chunk_bwd_dv_local
+            from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+            from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
             from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
             from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
             from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+            from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
             from fla.ops.utils import chunk_local_cumsum
             from fla.ops.utils.constant import RCP_LN2
             from fla.ops.utils.index import prepare_chunk_indices
             self.cp = dict(dv_local=chunk_bwd_dv_local, bwd_dh=chunk_cp_bwd_dh,
                            fwd_h=chunk_cp_fwd_h, intra=chunk_gated_delta_rule_fwd_intra, cumsum=chunk_local_cumsum,
-                           rcp_ln2=RCP_LN2, indices=prepare_chunk_indices)
+                           rcp_ln2=RCP_LN2, indices=prepare_chunk_indices, fwd_h_full=chunk_gated_delta_rule_fwd_h,
+                           fwd_o=chunk_fwd_o, recompute=recompute_w_u_fwd, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
+                           dqkwg=chunk_bwd_dqkwg, wy_bwd=prepare_wy_repr_bwd)
             self.name += " + fla CP state pre-pass"
         except ImportError:  # another fla layout: the torch pre-pass (fp32) on fla's pieces
             self.cp = None
@@ -208,49 +217,91 @@ class FlaKernels:
                               cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long))
         return o[0], final
 
-    def _wy(self, q, k, v, g, beta, cu):
+    def geometry(self, cu, device):
+        """cu_seqlens on the device and fla's chunk index of the varlen row."""
+        cu_t = torch.tensor(cu, dtype=torch.long, device=device)
+        return cu_t, self.cp["indices"](cu_t, CHUNK, cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long))
+
+    def wy(self, k4, v4, g4, b4, cu_t, idx):
+        """(cumulative log2 decay, w, u, A): fla's gate cumsum and WY solve; tensors (1, N, heads, ...)."""
         c = self.cp
-        cu_t = torch.tensor(cu, dtype=torch.long, device=k.device)
-        idx = c["indices"](cu_t, CHUNK, cu_seqlens_cpu=torch.tensor(cu, dtype=torch.long))
-        kn = k[None]  # normalised by prepare
-        gc = c["cumsum"](g[None].float().contiguous(), chunk_size=CHUNK, scale=c["rcp_ln2"], cu_seqlens=cu_t,
+        gc = c["cumsum"](g4.float().contiguous(), chunk_size=CHUNK, scale=c["rcp_ln2"], cu_seqlens=cu_t,
                          chunk_indices=idx)
-        w, u, _ = c["intra"](k=kn, v=v[None].contiguous(), g=gc, beta=beta[None].contiguous(), cu_seqlens=cu_t,
-                             chunk_indices=idx)
-        qn = None if q is None else q[None]
-        return qn, kn, gc, w, u, cu_t, idx
+        w, u, A = c["intra"](k=k4, v=v4.contiguous(), g=gc, beta=b4.contiguous(), cu_seqlens=cu_t, chunk_indices=idx)
+        return gc, w, u, A
+
+    def summaries(self, k4, w, u, gc, cu_t):
+        """[R | P] (n, H, dk, dv + dk) float32 of every sequence of the row, in one launch."""
+        H, dk, dv = u.shape[2], k4.shape[-1], u.shape[-1]
+        hm = k4.new_zeros(len(cu_t) - 1, H, dk, dv + dk, dtype=torch.float32)
+        self.cp["fwd_h"](k=k4, w=w, u=u, hm=hm, g=gc, cu_seqlens=cu_t, chunk_size=CHUNK, multi_seqs=True)
+        return hm
+
+    def adjoints(self, q4, k4, w, do, dv_local, gc, cu_t, seqs):
+        """D (H, dk, dv) per sequence in ``seqs``: d(its own outputs)/d(its incoming state)."""
+        H, dk, dv = do.shape[2], k4.shape[-1], do.shape[-1]
+        out = []
+        for s in seqs:
+            dhm = k4.new_zeros(H, dk, dv + dk, dtype=torch.float32)
+            self.cp["bwd_dh"](q=q4, k=k4, w=w, do=do, dv=dv_local, dhm=dhm, g=gc, scale=dk ** -0.5,
+                              cu_seqlens=cu_t[s:s + 2], chunk_size=CHUNK)
+            out.append(dhm[..., :dv])
+        return out
 
     @torch.no_grad()
     def summarize(self, k, v, g, beta, cu, seqs):
         if self.cp is None:
             return TorchKernels.summarize(self.torch, k, v, g, beta, cu, seqs)
-        _, kn, gc, w, u, cu_t, _ = self._wy(None, k, v, g, beta, cu)
-        H, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
-        R, P = [], []
-        for s in seqs:
-            hm = k.new_zeros(H, dk, dv + dk, dtype=torch.float32)
-            self.cp["fwd_h"](k=kn, w=w, u=u, hm=hm, g=gc, cu_seqlens=cu_t[s:s + 2], chunk_size=CHUNK)
-            R.append(hm[..., :dv])
-            P.append(hm[..., dv:])
-        return R, P
+        cu_t, idx = self.geometry(cu, k.device)
+        gc, w, u, _ = self.wy(k[None], v[None], g[None], beta[None], cu_t, idx)
+        hm, dv = self.summaries(k[None], w, u, gc, cu_t), v.shape[-1]
+        return [hm[s, ..., :dv] for s in seqs], [hm[s, ..., dv:] for s in seqs]
 
     @torch.no_grad()
     def adjoint(self, q, k, v, g, beta, do, cu, seqs):
         if self.cp is None:
             return TorchKernels.adjoint(self.torch, q, k, v, g, beta, do, cu, seqs)
-        qn, kn, gc, w, _, cu_t, idx = self._wy(q, k, v, g, beta, cu)
-        H, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
-        scale = dk ** -0.5
+        cu_t, idx = self.geometry(cu, k.device)
+        gc, w, _, _ = self.wy(k[None], v[None], g[None], beta[None], cu_t, idx)
         do = do[None].to(q.dtype).contiguous()
-        dvl = self.cp["dv_local"](q=qn, k=kn, do=do, g=gc, scale=scale, cu_seqlens=cu_t, chunk_size=CHUNK,
-                                  chunk_indices=idx)
-        out = []
-        for s in seqs:
-            dhm = k.new_zeros(H, dk, dv + dk, dtype=torch.float32)
-            self.cp["bwd_dh"](q=qn, k=kn, w=w, do=do, dv=dvl, dhm=dhm, g=gc, scale=scale, cu_seqlens=cu_t[s:s + 2],
-                              chunk_size=CHUNK)
-            out.append(dhm[..., :dv])
-        return out
+        dvl = self.cp["dv_local"](q=q[None], k=k[None], do=do, g=gc, scale=k.shape[-1] ** -0.5, cu_seqlens=cu_t,
+                                  chunk_size=CHUNK, chunk_indices=idx)
+        return self.adjoints(q[None], k[None], w, do, dvl, gc, cu_t, seqs)
+
+    def parallel_rule(self, q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out):
+        """fla's building blocks in one autograd Function (delta_fla.py): w, u made once for both passes."""
+        if self.cp is None:
+            return parallel_rule(self, q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out)
+        from .delta_fla import FlaPieces
+        return FlaPieces.apply(q, k, v, g, beta, (self, cu, lasts, firsts, state_in, grad_out))
+
+
+class _Adjoint(torch.autograd.Function):
+    """``core`` unchanged; backward hands the kernel pass d(final state) of every sequence: grad_out of the
+    adjoints D of the sequences ``firsts`` (every rank calls it: it exchanges)."""
+
+    @staticmethod
+    def forward(ctx, info, core, finals, *qkvgb):
+        ctx.info = info
+        ctx.save_for_backward(*qkvgb)
+        return core.view_as(core)
+
+    @staticmethod
+    def backward(ctx, d_core):
+        kern, cu, firsts, grad_out = ctx.info
+        q, k, v, g, beta = ctx.saved_tensors
+        D = kern.adjoint(q, k, v, g, beta, d_core, cu, firsts) if firsts else []
+        return None, d_core, grad_out(D), None, None, None, None, None
+
+
+def parallel_rule(kern, q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out):
+    """Any backend's parallel pass from its three parts: summarize the sequences ``lasts`` (no grad), state_in ->
+    incoming states, the kernel pass (autograd), and in backward the adjoints of ``firsts`` -> grad_out -> d(final
+    state) of each sequence (delta_parallel.py composes both across pieces)."""
+    with torch.no_grad():
+        h0 = state_in(*kern.summarize(k, v, g, beta, cu, lasts))
+    core, finals = kern.rule(q, k, v, g, beta, cu, h0)
+    return _Adjoint.apply((kern, cu, firsts, grad_out), core, finals, *(t.detach() for t in (q, k, v, g, beta)))
 
 
 _CHOSEN: dict = {}
@@ -280,4 +331,5 @@ def kernels_for(layer, device: torch.device):
     return _CHOSEN[key]
 
 
-__all__ = ["CHUNK", "FlaKernels", "KERNEL_ENV", "TorchKernels", "kernels_for", "torch_adjoint", "torch_summarize"]
+__all__ = ["CHUNK", "FlaKernels", "KERNEL_ENV", "TorchKernels", "kernels_for", "parallel_rule", "torch_adjoint",
+           "torch_summarize"]

@@ -17,11 +17,12 @@ It is affine in the incoming state: a piece maps S_in to S_out = P S_in + R. Per
 Backward (exact, no serial order; the design of fla's context parallelism, fla/ops/cp/): the loss depends on a
 piece's tokens through its outputs and through S_out, so the kernel pass's own backward gives every gradient once it
 is handed d(S_out). That is d(S_in) of the next piece, which is affine too: d(S_in_i) = D_i + P_iᵀ d(S_in_{i+1}),
-D_i = the gradient of piece i's own outputs w.r.t. its incoming state (delta_kernels.adjoint, state only). So
-``_Adjoint`` (between the kernel pass and the norm) takes d(output), computes every local D_i, publishes them,
-composes the d(S_in) in reverse order and hands each piece's final state its d(S_out); the incoming states are
-constants of the kernel pass. Nothing but (R, P), the incoming states and D_i is kept beyond the layer's own
-tensors.
+D_i = the gradient of piece i's own outputs w.r.t. its incoming state (delta_kernels.adjoint, state only). So the
+backend's ``parallel_rule`` takes two callbacks from here: ``state_in`` (publish every (R, P), compose the incoming
+states) and ``grad_out`` (publish every local D_i, compose the d(S_in) in reverse order, hand each piece's final
+state its d(S_out)); the incoming states are constants of the kernel pass. With fla both passes are one autograd
+Function sharing the WY tensors (delta_fla.py). Nothing but (R, P), the incoming states and D_i is kept beyond the
+layer's own tensors.
 
 Cost per rank: the layer's own kernel pass plus the two state-only passes (forward and backward) and two small
 exchanges per layer, forward and backward. The kernels sit behind delta_kernels.kernels_for (fla on CUDA where
@@ -107,35 +108,6 @@ def _conv(layer, mixed, windows, seqs):
             v.reshape(v.shape[0], -1, layer.head_v_dim))
 
 
-class _Adjoint(torch.autograd.Function):
-    """``core`` unchanged; backward hands the kernel pass d(final state) of every piece (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, info, core, finals, *qkvgb):
-        ctx.info = info
-        ctx.save_for_backward(*qkvgb)
-        return core.view_as(core)
-
-    @staticmethod
-    def backward(ctx, d_core):
-        plan, kern, cu, seqs, P, like, B = ctx.info
-        q, k, v, g, beta = ctx.saved_tensors
-        mine = sorted({s[2] for s in seqs})
-        firsts = [j for j, s in enumerate(seqs) if s[4]]
-        D = {i: like.new_zeros(like.shape) for i in mine}
-        for j, d in zip(firsts, kern.adjoint(q, k, v, g, beta, d_core, cu, firsts) if firsts else []):
-            D[seqs[j][2]][seqs[j][3]] = d
-        D = publish(plan, (like,), {i: (D[i],) for i in mine})
-        d_out, nxt = {}, torch.zeros_like(like)
-        for i in range(len(plan.pieces) - 1, -1, -1):  # d(S_in_i) = D_i + P_iᵀ d(S_in_{i+1}), in reverse order
-            d_out[i] = nxt
-            nxt = D[i][0] + P[i].transpose(-1, -2) @ nxt
-        d_finals = like.new_zeros(len(seqs), *like.shape[1:])
-        for (i, r), j in _last(seqs).items():
-            d_finals[j] = d_out[i][r]
-        return None, d_core, d_finals, None, None, None, None, None
-
-
 def _last(seqs):
     """{(piece, row): index of its last sequence}: the one whose final state is the piece's S_out."""
     return {(s[2], s[3]): j for j, s in enumerate(seqs)}
@@ -173,26 +145,43 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     like = (torch.zeros(Bn, H, dk, dv, dtype=torch.float32, device=x.device),
             torch.zeros(Bn, H, dk, dk, dtype=torch.float32, device=x.device))
     last = _last(seqs)
-    with torch.no_grad():  # 2. the state-only pre-pass: (R, P) of every piece of mine
-        order = sorted(last.items())
-        R, P = kern.summarize(k, v, g, beta, cu, [j for _, j in order])
+    order = sorted(last.items())
+    summary = {}
+
+    def state_in(R, P):  # 2.-3. every piece's (R, P) published; the state entering each sequence (no grad)
         local = {i: tuple(t.clone() for t in like) for i in mine}
-        for ((i, r), j), Rj, Pj in zip(order, R, P):
+        for ((i, r), _), Rj, Pj in zip(order, R, P):
             local[i][0][r] = Rj
             if not (plan.resets is not None and bool(resets(i)[r].any())):
                 local[i][1][r] = Pj
-        summary = publish(plan, like, local)
+        summary.update(publish(plan, like, local))
         state, starts = like[0], []
-        for i in range(len(pieces)):  # 3. the state entering every piece, in sequence order
+        for i in range(len(pieces)):  # in sequence order
             starts.append(state)
             state = summary[i][0] + summary[i][1] @ state
         h0 = like[0].new_zeros(len(seqs), H, dk, dv)
         for j, s in enumerate(seqs):
             if s[4]:
                 h0[j] = starts[s[2]][s[3]]
-    core, finals = kern.rule(q, k, v, g, beta, cu, h0)
-    info = (plan, kern, cu, seqs, {i: summary[i][1] for i in range(len(pieces))}, like[0], Bn)
-    core = _Adjoint.apply(info, core, finals, *(t.detach() for t in (q, k, v, g, beta)))
+        return h0
+
+    firsts = [j for j, s in enumerate(seqs) if s[4]]
+
+    def grad_out(D_firsts):  # backward: d(S_in_i) = D_i + P_iᵀ d(S_in_{i+1}), in reverse order -> d(final states)
+        D = {i: like[0].new_zeros(like[0].shape) for i in mine}
+        for j, d in zip(firsts, D_firsts):
+            D[seqs[j][2]][seqs[j][3]] = d
+        D = publish(plan, (like[0],), {i: (D[i],) for i in mine})
+        d_out, nxt = {}, torch.zeros_like(like[0])
+        for i in range(len(pieces) - 1, -1, -1):
+            d_out[i] = nxt
+            nxt = D[i][0] + summary[i][1].transpose(-1, -2) @ nxt
+        d_finals = like[0].new_zeros(len(seqs), *like[0].shape[1:])
+        for (i, r), j in last.items():
+            d_finals[j] = d_out[i][r]
+        return d_finals
+
+    core = kern.parallel_rule(q, k, v, g, beta, cu, [j for _, j in order], firsts, state_in, grad_out)
     out = layer.norm(core.reshape(-1, dv).to(x.dtype), z.reshape(-1, dv)).reshape(Bn, S, -1)
     return anchor(layer.out_proj(out), plan, tails)
 
