@@ -2,7 +2,8 @@
 the parallel path on one piece ("par", bench_hybrid's par/rank) on the same tokens, each iteration's wall time, then
 the top CUDA kernels of one profiled fwd+bwd of each. GPU only; run with /tmp/fla-site on PYTHONPATH
 (bench/gpu_hybrid_fla.sh unpacks it there):
-    python bench/gdn_profile.py --tokens 16384 --size qwen35
+    python bench/gdn_profile.py --tokens 16384 --size qwen35 --spans 0 1024 2048 4096
+--spans: the parallel path's sub-sequence cut of its state scans (EASY_CONTEXT_DELTA_SPAN; 0: none), each timed.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def main(argv=None):
     p.add_argument("--size", default="qwen35")
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--top", type=int, default=22)
+    p.add_argument("--spans", type=int, nargs="*", default=[], help="also time the parallel path at these cuts")
     args = p.parse_args(argv)
     from bench.bench_hybrid import _layer
     from easy_context.recurrent.adapter import get_adapter
@@ -32,9 +34,13 @@ def main(argv=None):
     one = Plan(0, (Piece(0, 0, n, 0),), None)
     x = torch.randn(1, n, hidden, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(1, n, hidden, device=dev, dtype=dt)
+    from easy_context.recurrent.delta_fla import SPAN, SPAN_ENV
     steps = {"own": lambda: layer(x), "par": lambda: adapter.run_plan(one, layer, x)}
+    spans = {f"par span {s}": s for s in args.spans}
+    steps.update({name: steps["par"] for name in spans})
 
     def step(name):
+        os.environ[SPAN_ENV] = str(spans.get(name, SPAN))
         steps[name]().backward(dy)
         x.grad = None
         layer.zero_grad(set_to_none=True)
@@ -49,7 +55,7 @@ def main(argv=None):
             walls.append((time.perf_counter() - t) * 1e3)
         print(f"{name}: wall ms per iteration " + " ".join(f"{w:.1f}" for w in walls), flush=True)
     from torch.profiler import ProfilerActivity, profile
-    for name in steps:
+    for name in ("own", "par"):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(name)
             torch.cuda.synchronize()

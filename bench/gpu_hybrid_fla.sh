@@ -72,7 +72,7 @@ case "${1:-}" in
       2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_model512.log" | tail -8 || true ;;
   profile)
     install
-    timeout 470 python3 bench/gdn_profile.py --tokens 16384 2>&1 | grep -v Warn | tee "$OUT/gdn_profile.log" | head -90 || true ;;
+    timeout 470 python3 bench/gdn_profile.py --tokens 16384 --spans 0 1024 4096 2>&1 | grep -v Warn | tee "$OUT/gdn_profile.log" | head -90 || true ;;
   save-cache)  # the Triton cache (kernels + autotuning picks) back to this machine: copy it to .gpusite/ and carry
     tar -C /tmp/tcache -cf - . | xz -T0 -6 > "$OUT/tcache.tar.xz"; ls -la "$OUT/tcache.tar.xz" ;;
   *) echo "usage: $0 pack|test|layer|model [L...]|layer9b|model512|profile|save-cache" >&2; exit 2 ;;

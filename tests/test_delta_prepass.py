@@ -136,3 +136,13 @@ def test_the_backend_is_chosen_once_and_logged(caplog, monkeypatch):
     # the reference is the model file's own torch function, never transformers' fla dispatch around it
     mod = sys.modules[type(layer).__module__]
     assert a.ref.__module__ == mod.__name__ and a.ref.__name__ == "torch_chunk_gated_delta_rule"
+
+
+def test_sub_sequences_cut_every_span_from_each_start():
+    """delta_fla's cut of a varlen row for the state scans: chunk-aligned from each sequence's start, the last
+    sub-sequence takes the rest; span 0 cuts nothing."""
+    from easy_context.recurrent.delta_fla import sub_sequences
+    sub, first, count = sub_sequences([0, 300, 301, 700], 128)
+    assert sub == [0, 128, 256, 300, 301, 429, 557, 685, 700]
+    assert first == [0, 3, 4] and count == [3, 1, 4]
+    assert sub_sequences([0, 300, 301], 0) == ([0, 300, 301], [0, 1], [1, 1])

@@ -10,7 +10,7 @@ N = tokens, H = value heads, Hk = key heads, dk / dv = key / value head dims, n 
                                            keep the very same tensors: nothing saved twice)
   rule(q, k, v, g, beta, cu, h0)        -> o (N, H, dv), final (n, H, dk, dv)   autograd; the normal kernel pass
   summarize(k, v, g, beta, cu, seqs)    -> (R, P) per sequence in ``seqs``     no grad; the state-only pre-pass
-  adjoint(q, k, v, g, beta, do, cu, seqs) -> dh0 per sequence in ``seqs``        no grad; its backward twin
+  adjoint(q, k, v, g, beta, do, cu, seqs) -> dh0 per sequence in ``seqs``        no grad; its backward twin (torch)
   parallel_rule(q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out) -> o    autograd; the three above around
                                            the caller's exchanges (fla: one Function sharing w, u, delta_fla.py)
 
@@ -26,9 +26,10 @@ torch_chunk_gated_delta_rule). Per chunk of C tokens with cumulative log decay �
     S' = A S + B,   A = e^{γ_C} I - K_eᵀ W,   B = K_eᵀ U          (forward: [R | P] <- A [R | P] + [B | 0])
     o  = (Q_e - M W) S + M U,   Q_e = diag(e^γ) Q,  M = lower(Q Kᵀ ⊙ e^{γ_i-γ_j})
     dS = Aᵀ dS' + (Q_e - M W)ᵀ dO                                   (backward, from dS' = 0 after the last chunk)
-fla pre-pass: the same two summaries from fla's context-parallel kernels (fla/ops/cp/: ``chunk_cp_fwd_h`` writes
-[h_local | M] per sequence, ``chunk_cp_bwd_dh`` [dh_local | dM]) on fla's own WY tensors; fla's CP composes them
-over contiguous / zigzag ranks, we compose them over any pieces (delta_parallel.py).
+fla: (R, P) from fla's context-parallel summary kernel (fla/ops/cp/: ``chunk_cp_fwd_h`` writes [h_local | M] per
+sequence) on fla's own WY tensors, D from fla's state-gradient scan with a zero final-state gradient, both inside one
+autograd Function (delta_fla.py); fla's CP composes over contiguous / zigzag ranks, we over any pieces
+(delta_parallel.py). Without the CP kernels (another fla layout) the torch pre-pass and adjoint run on fla's pieces.
 """
 from __future__ import annotations
 
@@ -176,6 +177,8 @@ class FlaKernels:
     """flash-linear-attention 0.6: ``chunk_gated_delta_rule`` (varlen, initial and final states) for the kernel
     pass; its CP summary kernels for the pre-pass (internal API of fla 0.6; the torch pre-pass if they move)."""
 
+    chunk_size = CHUNK
+
     def __init__(self):
         import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -187,15 +190,13 @@ class FlaKernels:
         try:
             from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
             from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
-            from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
             from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
             from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
             from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
             from fla.ops.utils import chunk_local_cumsum
             from fla.ops.utils.constant import RCP_LN2
             from fla.ops.utils.index import prepare_chunk_indices
-            self.cp = dict(dv_local=chunk_bwd_dv_local, bwd_dh=chunk_cp_bwd_dh,
-                           fwd_h=chunk_cp_fwd_h, intra=chunk_gated_delta_rule_fwd_intra, cumsum=chunk_local_cumsum,
+            self.cp = dict(dv_local=chunk_bwd_dv_local, fwd_h=chunk_cp_fwd_h, intra=chunk_gated_delta_rule_fwd_intra, cumsum=chunk_local_cumsum,
                            rcp_ln2=RCP_LN2, indices=prepare_chunk_indices, fwd_h_full=chunk_gated_delta_rule_fwd_h,
                            fwd_o=chunk_fwd_o, recompute=recompute_w_u_fwd, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
                            dqkwg=chunk_bwd_dqkwg, wy_bwd=prepare_wy_repr_bwd)
@@ -237,17 +238,6 @@ class FlaKernels:
         self.cp["fwd_h"](k=k4, w=w, u=u, hm=hm, g=gc, cu_seqlens=cu_t, chunk_size=CHUNK, multi_seqs=True)
         return hm
 
-    def adjoints(self, q4, k4, w, do, dv_local, gc, cu_t, seqs):
-        """D (H, dk, dv) per sequence in ``seqs``: d(its own outputs)/d(its incoming state)."""
-        H, dk, dv = do.shape[2], k4.shape[-1], do.shape[-1]
-        out = []
-        for s in seqs:
-            dhm = k4.new_zeros(H, dk, dv + dk, dtype=torch.float32)
-            self.cp["bwd_dh"](q=q4, k=k4, w=w, do=do, dv=dv_local, dhm=dhm, g=gc, scale=dk ** -0.5,
-                              cu_seqlens=cu_t[s:s + 2], chunk_size=CHUNK)
-            out.append(dhm[..., :dv])
-        return out
-
     @torch.no_grad()
     def summarize(self, k, v, g, beta, cu, seqs):
         if self.cp is None:
@@ -257,19 +247,12 @@ class FlaKernels:
         hm, dv = self.summaries(k[None], w, u, gc, cu_t), v.shape[-1]
         return [hm[s, ..., :dv] for s in seqs], [hm[s, ..., dv:] for s in seqs]
 
-    @torch.no_grad()
-    def adjoint(self, q, k, v, g, beta, do, cu, seqs):
-        if self.cp is None:
-            return TorchKernels.adjoint(self.torch, q, k, v, g, beta, do, cu, seqs)
-        cu_t, idx = self.geometry(cu, k.device)
-        gc, w, _, _ = self.wy(k[None], v[None], g[None], beta[None], cu_t, idx)
-        do = do[None].to(q.dtype).contiguous()
-        dvl = self.cp["dv_local"](q=q[None], k=k[None], do=do, g=gc, scale=k.shape[-1] ** -0.5, cu_seqlens=cu_t,
-                                  chunk_size=CHUNK, chunk_indices=idx)
-        return self.adjoints(q[None], k[None], w, do, dvl, gc, cu_t, seqs)
+    def adjoint(self, q, k, v, g, beta, do, cu, seqs):  # the fallback's (no CP kernels): torch on fla's pieces
+        return TorchKernels.adjoint(self.torch, q, k, v, g, beta, do, cu, seqs)
 
     def parallel_rule(self, q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out):
-        """fla's building blocks in one autograd Function (delta_fla.py): w, u made once for both passes."""
+        """fla's building blocks in one autograd Function (delta_fla.py): w, u made once for both passes, the
+        state scans over sub-sequences at once."""
         if self.cp is None:
             return parallel_rule(self, q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out)
         from .delta_fla import FlaPieces
