@@ -18,6 +18,7 @@ the order of the state sums). Plain autograd otherwise: the scan's activations a
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -28,6 +29,8 @@ from .mamba2 import _gated_norm, _in_proj, causal_conv, segment_ids, ssd_scan
 
 
 SERIAL_ENV = "EASY_CONTEXT_MAMBA2_SERIAL"
+log = logging.getLogger(__name__)
+_SAID: set = set()
 
 
 def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
@@ -37,6 +40,9 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     DeepSpeed ZeRO-3's per-module gathers pair up across ranks: zero3.py)."""
     if os.environ.get(SERIAL_ENV) == "1" or serial_requested(layer):
         return None
+    if x.device.type not in _SAID:  # once per device type, like the gated DeltaNet backend line
+        _SAID.add(x.device.type)
+        log.warning("Mamba-2: torch SSD scan (mamba2.ssd_scan); no kernel: mamba-ssm publishes no wheel")
     me, pieces = plan.me, plan.pieces
     mine = [i for i, p in enumerate(pieces) if p.owner == me]
     b, K, dtype = x.shape[0], layer.conv_kernel_size, x.dtype
