@@ -105,7 +105,12 @@ def _packed(L, seed):
 @pytest.mark.parametrize("W", [2, 4, 8])
 @pytest.mark.parametrize("mode,kw", MODES, ids=[m for m, _ in MODES])
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_fla_path_equals_torch_path(mode, kw, W, packed, monkeypatch):
+@pytest.mark.parametrize("fused", ["0", "1"], ids=["passes", "fused"])
+def test_fla_path_equals_torch_path(mode, kw, W, packed, fused, monkeypatch):
+    """fused: fla's pass as one Function (EASY_CONTEXT_DELTA_FUSED=1, delta_fla.py; its 2048-token sub-sequences cut
+    the one-process 4096-token row); passes: pre-pass, kernel pass and adjoint each on their own."""
+    from easy_context.recurrent.delta_kernels import FUSED_ENV
+    monkeypatch.setenv(FUSED_ENV, fused)
     L = 4096  # W = 8 zigzag: pieces of 256 tokens, 4 chunks of 64
     layer = _layer(torch.float32)
     pos = _packed(L, W) if packed else None
@@ -132,9 +137,12 @@ def test_fla_path_equals_torch_path(mode, kw, W, packed, monkeypatch):
 @GPU
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 def test_fla_sub_sequence_cut_equals_torch_path(packed, monkeypatch):
-    """The fla Function cuts every sequence into sub-sequences of EASY_CONTEXT_DELTA_SPAN tokens for its state scans
-    (delta_fla.py): at 128 (pieces of 1024 -> 8 deep, document pieces of any length) the same bound as above."""
+    """The fused fla Function (EASY_CONTEXT_DELTA_FUSED=1) cuts every sequence into sub-sequences of
+    EASY_CONTEXT_DELTA_SPAN tokens for its state scans (delta_fla.py): at 128 (pieces of 1024 -> 8 deep,
+    document pieces of any length) the same bound as above."""
     from easy_context.recurrent.delta_fla import SPAN_ENV
+    from easy_context.recurrent.delta_kernels import FUSED_ENV
+    monkeypatch.setenv(FUSED_ENV, "1")
     monkeypatch.setenv(SPAN_ENV, "128")
     L, W = 4096, 2
     layer = _layer(torch.float32)
@@ -163,8 +171,7 @@ def test_fla_sub_sequence_cut_equals_torch_path(packed, monkeypatch):
 @pytest.mark.gpu
 @GPU
 def test_fla_facade_matches_torch_on_varlen_rows():
-    """summarize / rule of the two backends on the same varlen row (3 sequences, multi-chunk); fla's D comes from
-    its state-gradient scan inside the parallel Function, checked end to end above."""
+    """summarize / adjoint / rule of the two backends on the same varlen row (3 sequences, multi-chunk)."""
     import transformers.models.qwen3_next.modeling_qwen3_next as mod
 
     from easy_context.recurrent.delta_kernels import FlaKernels, TorchKernels
@@ -177,23 +184,27 @@ def test_fla_facade_matches_torch_on_varlen_rows():
     v = torch.randn(N, H, dv, device="cuda", generator=g)
     decay = -0.3 * torch.rand(N, H, device="cuda", generator=g)
     beta = torch.rand(N, H, device="cuda", generator=g)
+    do = torch.randn(N, H, dv, device="cuda", generator=g)
     h0 = torch.randn(3, H, dk, dv, device="cuda", generator=g)
     qkv = fk.prepare(q, k, v, decay, beta)  # fla's passes take q, k normalised (by fla's l2norm)
     (Rt, Pt), (Rf, Pf) = tk.summarize(k, v, decay, beta, cu, [0, 1, 2]), fk.summarize(*qkv[1:], cu, [0, 1, 2])
+    Dt, Df = tk.adjoint(q, k, v, decay, beta, do, cu, [0, 2]), fk.adjoint(*qkv, do, cu, [0, 2])
     (ot, ft), (of, ff) = tk.rule(q, k, v, decay, beta, cu, h0), fk.rule(*qkv, cu, h0)
     base = max(_rel(of, ot), _rel(ff, ft), 1e-6)  # the kernel pass itself: the bound of the state-only passes
-    for name, a, b in [("R", Rf, Rt), ("P", Pf, Pt)]:
+    for name, a, b in [("R", Rf, Rt), ("P", Pf, Pt), ("D", Df, Dt)]:
         for j, (x, y) in enumerate(zip(a, b)):
             assert _rel(x, y) <= FLA_FACTOR * base + 1e-5, f"{name}[{j}]: {_rel(x, y):.2e} (kernel pass {base:.2e})"
 
 
 @pytest.mark.gpu
 @GPU
-def test_bf16_parallel_error_and_no_drift_over_8_pieces(monkeypatch):
+@pytest.mark.parametrize("fused", ["0", "1"], ids=["passes", "fused"])
+def test_bf16_parallel_error_and_no_drift_over_8_pieces(fused, monkeypatch):
     """bf16 layer, zigzag W = 4 at 8192 tokens (7 pieces: the middle rank's two halves are adjacent and merge): the
     parallel path's error against the float32 torch reference is within FLA_FACTOR x fla's own one-process error
     (and < 2e-2); the float32 state chain composed from bf16 summaries does not drift over 8 pieces."""
     from easy_context.recurrent import delta_kernels
+    monkeypatch.setenv(delta_kernels.FUSED_ENV, fused)
     L, W = 8192, 4
     ref_layer, layer = _layer(torch.float32), _layer(torch.bfloat16)
     idx, plan = simulated_plan("zigzag_ring_attn", L, W)
@@ -238,12 +249,13 @@ def test_bf16_parallel_error_and_no_drift_over_8_pieces(monkeypatch):
 
 @INTERPRETED
 def test_fla_prepass_interpreted_on_cpu(monkeypatch):
-    """fla's CP summary kernel (the pre-pass of FlaKernels) under Triton's CPU interpreter equals the torch
-    pre-pass: (R, P) of multi-chunk varlen sequences. fla's chunk kernel pass itself does not run in the
+    """fla's CP summary kernels (the pre-pass and the adjoint of FlaKernels) under Triton's CPU interpreter equal the
+    torch pre-pass: (R, P) and D of multi-chunk varlen sequences. fla's chunk kernel pass itself does not run in the
     interpreter (fla 0.6 / triton 3.9: "'int' object has no attribute 'to'" in chunk_gated_delta_rule_fwd_h), and
     its CP kernels refuse a non-CUDA device (patched out here). Run:
         TRITON_INTERPRET=1 python -m pytest tests/test_delta_fla.py -k interpreted    # venv with triton + fla-core
     """
+    import fla.ops.cp.chunk_bwd as cb
     import fla.ops.cp.chunk_fwd as cf
     import transformers.models.qwen3_next.modeling_qwen3_next as mod
     import triton.runtime.autotuner as at
@@ -251,15 +263,17 @@ def test_fla_prepass_interpreted_on_cpu(monkeypatch):
     from easy_context.recurrent.delta_kernels import FlaKernels, TorchKernels
     monkeypatch.setattr(at.Autotuner, "_bench", lambda self, *a, config, **kw: [0.0, 0.0, 0.0])  # no GPU to time
     monkeypatch.setattr(cf, "_check_cp_device", lambda device: None)
+    monkeypatch.setattr(cb, "_check_cp_device", lambda device: None)
     g = torch.Generator().manual_seed(0)
     cu, H, Hk, dk, dv = [0, 70, 71, 200], 2, 1, 16, 16
     N = cu[-1]
     q, k = torch.randn(N, Hk, dk, generator=g), torch.randn(N, Hk, dk, generator=g)
-    v = torch.randn(N, H, dv, generator=g)
+    v, do = torch.randn(N, H, dv, generator=g), torch.randn(N, H, dv, generator=g)
     decay, beta = -0.2 * torch.rand(N, H, generator=g), torch.rand(N, H, generator=g)
     tk, fk = TorchKernels(mod), FlaKernels()
     qkv = fk.prepare(q, k, v, decay, beta)
     (Rt, Pt), (Rf, Pf) = tk.summarize(k, v, decay, beta, cu, [0, 2]), fk.summarize(*qkv[1:], cu, [0, 2])
-    for name, a, b in [("R", Rf, Rt), ("P", Pf, Pt)]:
+    Dt, Df = tk.adjoint(q, k, v, decay, beta, do, cu, [0, 2]), fk.adjoint(*qkv, do, cu, [0, 2])
+    for name, a, b in [("R", Rf, Rt), ("P", Pf, Pt), ("D", Df, Dt)]:
         for j, (x, y) in enumerate(zip(a, b)):
             assert _rel(x, y) <= 1e-5, f"{name}[{j}]: {_rel(x, y):.2e}"

@@ -4,9 +4,10 @@ the kernel pass, and the backward recomputes them once for the adjoint and the k
 
 fla's state scans (``chunk_gated_delta_rule_fwd_h`` / ``_bwd_dhu``) walk a sequence's chunks one after another in
 one program per (head, value block): a long sequence leaves most of the GPU idle. So every sequence is cut further
-into sub-sequences of ``SPAN`` tokens (chunk-aligned: the chunk-local passes are unchanged), each summarised as
-S_out = P S_in + R like a piece, composed here, and scanned at once (the idea of fla's intra-card context
-parallelism, fla/ops/common/intracard_cp.py, used here in training as well).
+into sub-sequences of ``SPAN`` tokens (longer where a row would get over ``MAX_SUBS``; chunk-aligned: the
+chunk-local passes are unchanged), each summarised as S_out = P S_in + R like a piece, composed here, and scanned at
+once (the idea of fla's intra-card context parallelism, fla/ops/common/intracard_cp.py, used here in training too).
+Opt-in (``EASY_CONTEXT_DELTA_FUSED=1``) until the GPU tests have passed on it.
 
 Forward:  cumsum(g), WY (w, u, A) -> [R | P] of every sub-sequence in one launch -> each sequence's (R, P) ->
           state_in (the caller's exchange + composition) -> each sub-sequence's incoming state -> state scan ->
@@ -25,13 +26,14 @@ import torch
 
 SPAN_ENV = "EASY_CONTEXT_DELTA_SPAN"  # tokens per sub-sequence of the state scans (a multiple of 64; 0: no cut)
 SPAN = 2048
+MAX_SUBS = 32  # a longer row gets longer sub-sequences: the saved transitions stay at <= 32 x H x dk x dk
 
 
-def _span(chunk):
+def _span(chunk, tokens):
     span = int(os.environ.get(SPAN_ENV, SPAN))
     if span % chunk:
         raise ValueError(f"{SPAN_ENV}={span}: must be a multiple of the chunk ({chunk} tokens), or 0 for no cut")
-    return span
+    return span and max(span, -(-tokens // (MAX_SUBS * chunk)) * chunk)
 
 
 def sub_sequences(cu, span):
@@ -70,7 +72,7 @@ class FlaPieces(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, info):
         kern, cu, lasts, _, state_in, _ = info
         c, scale, dv = kern.cp, k.shape[-1] ** -0.5, v.shape[-1]
-        sub_cu, first, count = sub_sequences(cu, _span(kern.chunk_size))
+        sub_cu, first, count = sub_sequences(cu, _span(kern.chunk_size, cu[-1]))
         cu_t, idx = kern.geometry(sub_cu, k.device)
         subs = _Subs(first, count, k.device)
         q4, k4, v4, b4 = q[None], k[None], v[None], beta[None]

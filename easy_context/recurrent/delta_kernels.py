@@ -10,7 +10,7 @@ N = tokens, H = value heads, Hk = key heads, dk / dv = key / value head dims, n 
                                            keep the very same tensors: nothing saved twice)
   rule(q, k, v, g, beta, cu, h0)        -> o (N, H, dv), final (n, H, dk, dv)   autograd; the normal kernel pass
   summarize(k, v, g, beta, cu, seqs)    -> (R, P) per sequence in ``seqs``     no grad; the state-only pre-pass
-  adjoint(q, k, v, g, beta, do, cu, seqs) -> dh0 per sequence in ``seqs``        no grad; its backward twin (torch)
+  adjoint(q, k, v, g, beta, do, cu, seqs) -> dh0 per sequence in ``seqs``        no grad; its backward twin
   parallel_rule(q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out) -> o    autograd; the three above around
                                            the caller's exchanges (fla: one Function sharing w, u, delta_fla.py)
 
@@ -26,10 +26,11 @@ torch_chunk_gated_delta_rule). Per chunk of C tokens with cumulative log decay �
     S' = A S + B,   A = e^{γ_C} I - K_eᵀ W,   B = K_eᵀ U          (forward: [R | P] <- A [R | P] + [B | 0])
     o  = (Q_e - M W) S + M U,   Q_e = diag(e^γ) Q,  M = lower(Q Kᵀ ⊙ e^{γ_i-γ_j})
     dS = Aᵀ dS' + (Q_e - M W)ᵀ dO                                   (backward, from dS' = 0 after the last chunk)
-fla: (R, P) from fla's context-parallel summary kernel (fla/ops/cp/: ``chunk_cp_fwd_h`` writes [h_local | M] per
-sequence) on fla's own WY tensors, D from fla's state-gradient scan with a zero final-state gradient, both inside one
-autograd Function (delta_fla.py); fla's CP composes over contiguous / zigzag ranks, we over any pieces
-(delta_parallel.py). Without the CP kernels (another fla layout) the torch pre-pass and adjoint run on fla's pieces.
+fla: the same two summaries from fla's context-parallel kernels (fla/ops/cp/: ``chunk_cp_fwd_h`` writes [h_local | M]
+per sequence, ``chunk_cp_bwd_dh`` [dh_local | dM]) on fla's own WY tensors; with ``EASY_CONTEXT_DELTA_FUSED=1`` all
+inside one autograd Function (delta_fla.py: D from fla's state-gradient scan with a zero final-state gradient). fla's
+CP composes over contiguous / zigzag ranks, we over any pieces (delta_parallel.py). Without the CP kernels (another
+fla layout) the torch pre-pass and adjoint run on fla's pieces.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 # "torch" / "fla": force one backend (tests, benches); unset: fla on CUDA where importable, else torch
 KERNEL_ENV = "EASY_CONTEXT_DELTA_KERNEL"
+FUSED_ENV = "EASY_CONTEXT_DELTA_FUSED"  # "1": fla's pass as one Function (delta_fla.py); off until GPU-tested
 CHUNK = 64  # the chunk of both backends (fla's default; transformers' torch rule uses 64 as well)
 
 
@@ -190,13 +192,15 @@ class FlaKernels:
         try:
             from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
             from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
+            from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
             from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
             from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
             from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
             from fla.ops.utils import chunk_local_cumsum
             from fla.ops.utils.constant import RCP_LN2
             from fla.ops.utils.index import prepare_chunk_indices
-            self.cp = dict(dv_local=chunk_bwd_dv_local, fwd_h=chunk_cp_fwd_h, intra=chunk_gated_delta_rule_fwd_intra, cumsum=chunk_local_cumsum,
+            self.cp = dict(dv_local=chunk_bwd_dv_local, fwd_h=chunk_cp_fwd_h, bwd_dh=chunk_cp_bwd_dh,
+                           intra=chunk_gated_delta_rule_fwd_intra, cumsum=chunk_local_cumsum,
                            rcp_ln2=RCP_LN2, indices=prepare_chunk_indices, fwd_h_full=chunk_gated_delta_rule_fwd_h,
                            fwd_o=chunk_fwd_o, recompute=recompute_w_u_fwd, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
                            dqkwg=chunk_bwd_dqkwg, wy_bwd=prepare_wy_repr_bwd)
@@ -231,11 +235,15 @@ class FlaKernels:
         w, u, A = c["intra"](k=k4, v=v4.contiguous(), g=gc, beta=b4.contiguous(), cu_seqlens=cu_t, chunk_indices=idx)
         return gc, w, u, A
 
-    def summaries(self, k4, w, u, gc, cu_t):
-        """[R | P] (n, H, dk, dv + dk) float32 of every sequence of the row, in one launch."""
+    def summaries(self, k4, w, u, gc, cu_t, seqs=None):
+        """[R | P] (n, H, dk, dv + dk) float32: of every sequence of the row in one launch (``seqs`` None), else of
+        the sequences ``seqs``, one launch each (the path validated on the GPU before the multi-sequence launch)."""
         H, dk, dv = u.shape[2], k4.shape[-1], u.shape[-1]
-        hm = k4.new_zeros(len(cu_t) - 1, H, dk, dv + dk, dtype=torch.float32)
-        self.cp["fwd_h"](k=k4, w=w, u=u, hm=hm, g=gc, cu_seqlens=cu_t, chunk_size=CHUNK, multi_seqs=True)
+        hm = k4.new_zeros(len(cu_t) - 1 if seqs is None else len(seqs), H, dk, dv + dk, dtype=torch.float32)
+        if seqs is None:
+            self.cp["fwd_h"](k=k4, w=w, u=u, hm=hm, g=gc, cu_seqlens=cu_t, chunk_size=CHUNK, multi_seqs=True)
+        for j, s in enumerate(seqs or []):
+            self.cp["fwd_h"](k=k4, w=w, u=u, hm=hm[j], g=gc, cu_seqlens=cu_t[s:s + 2], chunk_size=CHUNK)
         return hm
 
     @torch.no_grad()
@@ -244,16 +252,32 @@ class FlaKernels:
             return TorchKernels.summarize(self.torch, k, v, g, beta, cu, seqs)
         cu_t, idx = self.geometry(cu, k.device)
         gc, w, u, _ = self.wy(k[None], v[None], g[None], beta[None], cu_t, idx)
-        hm, dv = self.summaries(k[None], w, u, gc, cu_t), v.shape[-1]
-        return [hm[s, ..., :dv] for s in seqs], [hm[s, ..., dv:] for s in seqs]
+        hm, dv = self.summaries(k[None], w, u, gc, cu_t, seqs), v.shape[-1]
+        return list(hm[..., :dv]), list(hm[..., dv:])
 
-    def adjoint(self, q, k, v, g, beta, do, cu, seqs):  # the fallback's (no CP kernels): torch on fla's pieces
-        return TorchKernels.adjoint(self.torch, q, k, v, g, beta, do, cu, seqs)
+    @torch.no_grad()
+    def adjoint(self, q, k, v, g, beta, do, cu, seqs):
+        if self.cp is None:  # torch on fla's pieces
+            return TorchKernels.adjoint(self.torch, q, k, v, g, beta, do, cu, seqs)
+        cu_t, idx = self.geometry(cu, k.device)
+        gc, w, _, _ = self.wy(k[None], v[None], g[None], beta[None], cu_t, idx)
+        H, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
+        do = do[None].to(q.dtype).contiguous()
+        dvl = self.cp["dv_local"](q=q[None], k=k[None], do=do, g=gc, scale=dk ** -0.5, cu_seqlens=cu_t,
+                                  chunk_size=CHUNK, chunk_indices=idx)
+        out = []
+        for s in seqs:
+            dhm = k.new_zeros(H, dk, dv + dk, dtype=torch.float32)
+            self.cp["bwd_dh"](q=q[None], k=k[None], w=w, do=do, dv=dvl, dhm=dhm, g=gc, scale=dk ** -0.5,
+                              cu_seqlens=cu_t[s:s + 2], chunk_size=CHUNK)
+            out.append(dhm[..., :dv])
+        return out
 
     def parallel_rule(self, q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out):
-        """fla's building blocks in one autograd Function (delta_fla.py): w, u made once for both passes, the
-        state scans over sub-sequences at once."""
-        if self.cp is None:
+        """With ``EASY_CONTEXT_DELTA_FUSED=1``: fla's building blocks in one autograd Function (delta_fla.py; w, u
+        made once for both passes, the state scans over sub-sequences at once). Otherwise the three passes above,
+        each making its own w, u (the path the GPU tests have passed)."""
+        if self.cp is None or os.environ.get(FUSED_ENV) != "1":
             return parallel_rule(self, q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out)
         from .delta_fla import FlaPieces
         return FlaPieces.apply(q, k, v, g, beta, (self, cu, lasts, firsts, state_in, grad_out))
@@ -314,5 +338,5 @@ def kernels_for(layer, device: torch.device):
     return _CHOSEN[key]
 
 
-__all__ = ["CHUNK", "FlaKernels", "KERNEL_ENV", "TorchKernels", "kernels_for", "parallel_rule", "torch_adjoint",
-           "torch_summarize"]
+__all__ = ["CHUNK", "FUSED_ENV", "FlaKernels", "KERNEL_ENV", "TorchKernels", "kernels_for", "parallel_rule",
+           "torch_adjoint", "torch_summarize"]
