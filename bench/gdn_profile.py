@@ -3,7 +3,8 @@ the parallel path on one piece ("par", bench_hybrid's par/rank) on the same toke
 the top CUDA kernels of one profiled fwd+bwd of each. GPU only; run with /tmp/fla-site on PYTHONPATH
 (bench/gpu_hybrid_fla.sh unpacks it there):
     python bench/gdn_profile.py --tokens 16384 --size qwen35 --spans 0 1024 2048 4096
---spans: the parallel path's sub-sequence cut of its state scans (EASY_CONTEXT_DELTA_SPAN; 0: none), each timed.
+"par": the default passes; "fused": EASY_CONTEXT_DELTA_FUSED=1 (delta_fla.py) at its default sub-sequence cut;
+--spans: the fused path also at these cuts (EASY_CONTEXT_DELTA_SPAN; 0: none), each timed.
 """
 from __future__ import annotations
 
@@ -35,12 +36,14 @@ def main(argv=None):
     x = torch.randn(1, n, hidden, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(1, n, hidden, device=dev, dtype=dt)
     from easy_context.recurrent.delta_fla import SPAN, SPAN_ENV
+    from easy_context.recurrent.delta_kernels import FUSED_ENV
     steps = {"own": lambda: layer(x), "par": lambda: adapter.run_plan(one, layer, x)}
-    spans = {f"par span {s}": s for s in args.spans}
+    spans = {"fused": SPAN, **{f"fused span {s}": s for s in args.spans}}
     steps.update({name: steps["par"] for name in spans})
 
     def step(name):
         os.environ[SPAN_ENV] = str(spans.get(name, SPAN))
+        os.environ[FUSED_ENV] = "1" if name in spans else "0"
         steps[name]().backward(dy)
         x.grad = None
         layer.zero_grad(set_to_none=True)
@@ -55,7 +58,7 @@ def main(argv=None):
             walls.append((time.perf_counter() - t) * 1e3)
         print(f"{name}: wall ms per iteration " + " ".join(f"{w:.1f}" for w in walls), flush=True)
     from torch.profiler import ProfilerActivity, profile
-    for name in ("own", "par"):
+    for name in ("own", "par", "fused"):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(name)
             torch.cuda.synchronize()
