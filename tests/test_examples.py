@@ -18,20 +18,57 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 
 
+class _Launch:
+    """One launch of ``cmd`` (torchrun with ``nproc`` > 1), started now; ``result()`` waits for it and loads its
+    report. Its output goes to files next to the report (two launches at once: neither can block on a full pipe)."""
+
+    def __init__(self, cmd: list[str], report: Path, nproc: int = 1, **extra_env):
+        import socket
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+                  "127.0.0.1", "--master_port", str(port)] if nproc > 1 else [sys.executable]
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
+                   TOKENIZERS_PARALLELISM="false", **extra_env)
+        self.cmd, self.report, self.nproc = cmd, report, nproc
+        self.logs = (report.with_suffix(".stdout"), report.with_suffix(".stderr"))
+        with open(self.logs[0], "w") as so, open(self.logs[1], "w") as se:
+            self.proc = subprocess.Popen(launch + cmd + ["--report", str(report)], cwd=ROOT, env=env, stdout=so,
+                                         stderr=se, stdin=subprocess.DEVNULL, text=True)
+
+    def stop(self) -> None:
+        """End the launch if it still runs (torchrun passes SIGTERM on to its workers)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def result(self) -> dict:
+        try:
+            code = self.proc.wait(timeout=900)
+        finally:
+            self.stop()
+        out, err = (p.read_text() for p in self.logs)
+        assert code == 0, f"{' '.join(self.cmd)} (nproc {self.nproc}) failed:\n{out[-3000:]}\n{err[-6000:]}"
+        return torch.load(self.report, weights_only=True)
+
+
 def _run(cmd: list[str], report: Path, nproc: int = 1, **extra_env) -> dict:
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-              "127.0.0.1", "--master_port", str(port)] if nproc > 1 else [sys.executable]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-               TOKENIZERS_PARALLELISM="false", **extra_env)
-    out = subprocess.run(launch + cmd + ["--report", str(report)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, f"{' '.join(cmd)} (nproc {nproc}) failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    return torch.load(report, weights_only=True)
+    return _Launch(cmd, report, nproc, **extra_env).result()
+
+
+def _results(*launches: _Launch) -> list[dict]:
+    """Every launch's report, in order; the first failure stops the others."""
+    try:
+        return [launch.result() for launch in launches]
+    finally:
+        for launch in launches:
+            launch.stop()
 
 
 def _same(got: dict, ref: dict, what: str) -> None:
@@ -53,10 +90,11 @@ SFT = ["examples/sft_trainer_sp.py", "--tiny"]
 
 
 def test_sft_trainer_examples_equal_one_process(out):
-    ref = _run(SFT + ["--no-sp", "--output-dir", str(out / "ref")], out / "ref.pt")
-    assert ref["loss"][-1] < ref["loss"][0]  # it trains
+    # the one-process reference (one core) runs beside the 2-rank launch: separate directories, no port
+    ref_launch = _Launch(SFT + ["--no-sp", "--output-dir", str(out / "ref")], out / "ref.pt")
     run = SFT + ["--mode", "zigzag_ring_attn", "--output-dir", str(out / "zz"), "--save-steps", "2"]
-    zz = _run(run, out / "zz.pt", nproc=2)
+    zz, ref = _results(_Launch(run, out / "zz.pt", nproc=2), ref_launch)
+    assert ref["loss"][-1] < ref["loss"][0]  # it trains
     _same(zz, ref, "SFTTrainer zigzag_ring_attn, 2 ranks")
     # resumed from that run's step-2 checkpoint (as after a crash at step 3): the same curve and weights
     res = _run(run + ["--resume", str(out / "zz" / "checkpoint-2")], out / "res.pt", nproc=2)
@@ -66,9 +104,9 @@ def test_sft_trainer_examples_equal_one_process(out):
 def test_documented_usp_lora_command_equals_one_process(out):
     """docs/trainer.md: torchrun --nproc_per_node 4 examples/sft_trainer_sp.py --tiny --mode usp_attn
     --ring-degree 2 --lora-rank 8 (LoRA through the USP patch), against the same SFTTrainer without SP."""
-    ref = _run(SFT + ["--no-sp", "--lora-rank", "8", "--output-dir", str(out / "lref")], out / "lref.pt")
-    usp = _run(SFT + ["--mode", "usp_attn", "--ring-degree", "2", "--lora-rank", "8", "--output-dir",
-                      str(out / "usp")], out / "usp.pt", nproc=4)
+    ref_launch = _Launch(SFT + ["--no-sp", "--lora-rank", "8", "--output-dir", str(out / "lref")], out / "lref.pt")
+    usp, ref = _results(_Launch(SFT + ["--mode", "usp_attn", "--ring-degree", "2", "--lora-rank", "8", "--output-dir",
+                                       str(out / "usp")], out / "usp.pt", nproc=4), ref_launch)
     _same(usp, ref, "SFTTrainer usp_attn ring 2 x ulysses 2, LoRA r8, 4 ranks")
 
 
@@ -76,6 +114,7 @@ def test_documented_usp_lora_command_equals_one_process(out):
 def test_documented_trainer_command_equals_one_process(out):
     """docs/trainer.md: torchrun --nproc_per_node 2 examples/trainer_sp.py --tiny --mode zigzag_ring_attn."""
     cmd = ["examples/trainer_sp.py", "--tiny"]
-    ref = _run(cmd + ["--no-sp", "--output-dir", str(out / "tref")], out / "tref.pt")
-    zz = _run(cmd + ["--mode", "zigzag_ring_attn", "--output-dir", str(out / "tzz")], out / "tzz.pt", nproc=2)
+    ref_launch = _Launch(cmd + ["--no-sp", "--output-dir", str(out / "tref")], out / "tref.pt")
+    zz, ref = _results(_Launch(cmd + ["--mode", "zigzag_ring_attn", "--output-dir", str(out / "tzz")], out / "tzz.pt",
+                               nproc=2), ref_launch)
     _same(zz, ref, "Trainer zigzag_ring_attn, 2 ranks")

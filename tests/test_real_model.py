@@ -68,15 +68,34 @@ def gemma3_dir() -> str:
     return _fetched("gemma3", "Gemma 3 270M")
 
 
-def _real_batch(tokenizer, n: int):
+@pytest.fixture(scope="module")
+def smollm2_tok(smollm2_dir):
+    """SmolLM2's tokenizer, loaded once for this module's tests (the ranks get token ids, not the tokenizer)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def gemma3_tok(gemma3_dir):
+    """Gemma 3's tokenizer (262,144 tokens: ~3 s to load), once for this module's tests."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(gemma3_dir)
+
+
+def _real_ids(tokenizer, n: int) -> list:
     """n + 1 tokens of real text (the standard library's argparse.py), after the tokenizer's own special tokens
-    (Gemma's <bos>; none for SmolLM2): inputs, positions, next-token targets."""
+    (Gemma's <bos>; none for SmolLM2)."""
     import argparse
     with open(argparse.__file__, encoding="utf-8") as f:
         ids = tokenizer(f.read())["input_ids"][:n + 1]
     assert len(ids) == n + 1
+    return ids
+
+
+def _batch(ids: list):
+    """n + 1 token ids -> inputs, positions, next-token targets."""
     t = torch.tensor([ids])
-    return t[:, :-1].contiguous(), torch.arange(n).unsqueeze(0), t[:, 1:].contiguous()
+    return t[:, :-1].contiguous(), torch.arange(t.shape[1] - 1).unsqueeze(0), t[:, 1:].contiguous()
 
 
 def _text_vocab(model, *ids):
@@ -94,14 +113,39 @@ def _text_vocab(model, *ids):
 
 
 def _rel(a, e) -> float:
-    """||a - e|| / ||e||, the norms accumulated in float64 (without float64 copies of 135M-element tensors)."""
+    """||a - e|| / ||e||, the norms accumulated in float64."""
     diff = torch.linalg.vector_norm((a.detach() - e.detach()).float(), dtype=torch.float64)
     return float(diff / torch.linalg.vector_norm(e.detach().float(), dtype=torch.float64).clamp_min(1e-30))
 
 
-def _check(a, e, rel, name):
-    """_rel within ``rel``; a failure goes through tests/tols.assert_close for its max/mean-diff message."""
-    if not _rel(a, e) <= rel:
+class _Rel:
+    """``_rel`` for float32 tensors of up to ``numel`` elements, the same float64 number without allocating: the
+    float32 difference is written straight into a float64 buffer (exact), where vector_norm(dtype=float64) would first
+    copy it to a fresh float64 tensor (a 135M-element model's gradients: ~1 GiB of new pages per mode, which on this
+    machine cost more than the norms); ||e|| of a reference is computed once (``key``) and reused by every mode."""
+
+    def __init__(self, numel: int):
+        self.buf = torch.empty(numel, dtype=torch.float64)
+        self.norms: dict = {}
+
+    def __call__(self, a, e, key=None) -> float:
+        a, e = a.detach(), e.detach()
+        if a.dtype != torch.float32 or e.dtype != torch.float32 or a.shape != e.shape or a.numel() > self.buf.numel():
+            return _rel(a, e)
+        n = a.numel()
+        diff = torch.linalg.vector_norm(torch.sub(a, e, out=self.buf[:n].view(a.shape)))
+        norm = self.norms.get(key) if key is not None else None
+        if norm is None:
+            norm = torch.linalg.vector_norm(self.buf[:n].view(e.shape).copy_(e)).clamp_min(1e-30)
+            if key is not None:
+                self.norms[key] = norm
+        return float(diff / norm)
+
+
+def _check(a, e, rel, name, err=None):
+    """_rel (or ``err``, already computed) within ``rel``; a failure goes through tests/tols.assert_close for its
+    max/mean-diff message."""
+    if not (_rel(a, e) if err is None else err) <= rel:
         from tests.tols import assert_close
         assert_close(a, e, rel, name)
 
@@ -110,33 +154,38 @@ def _check(a, e, rel, name):
 CASES = (("zigzag_ring_attn", {}), ("dist_flash_attn", {}), ("usp_attn", {"ring_degree": 2}))
 
 
-def _modes_body(rank, world, model_dir, seq_len, cases, out_path, grad_rel=GRAD_REL, text_vocab=False):
+def _modes_body(rank, world, model_dir, ids, cases, out_path, grad_rel=GRAD_REL, text_vocab=False):
     """Rank 0 runs one process's full forward/backward; then each case runs on every rank, the logits are gathered
-    and the gradients summed on rank 0 (one flat buffer), which compares them with the reference."""
-    import copy
-
+    and the gradients summed on rank 0 (one reduce per parameter, compared as it lands), which compares them with the
+    reference."""
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs, unshard_sequence
     from tests.model_equiv import _loss_sum_and_count, reference_step
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").train()
-    inp, pos, tgt = _real_batch(tok, seq_len)
+    inp, pos, tgt = _batch(ids)  # _real_ids, tokenized once by the test
     if text_vocab:
         inp, tgt = _text_vocab(model, inp, tgt)
     t0 = time.time()
     if rank == 0:  # the other ranks wait at the barrier: their cores go to the reference
         torch.set_num_threads(world)
         ref = reference_step(model, inp, pos, tgt)
-        model.zero_grad(set_to_none=True)  # the reference keeps its own copy
+        model.zero_grad(set_to_none=True)  # the reference keeps its own copy (logits detached, gradients cloned)
         torch.set_num_threads(1)
+        ref_logits, ref_loss, ref_grads = ref
+        rel = _Rel(max([ref_logits.numel()] + [g.numel() for g in ref_grads.values()]))
     dist.barrier()
     report = {"reference_seconds": round(time.time() - t0, 1)}
-    sp_model = copy.deepcopy(model)
+    # The reference changed no weight and no buffer (it ran forward and backward, and its gradients are gone): the
+    # sequence-parallel runs take the same model object; a deep copy of it would carry whatever state it holds all the
+    # same, and rank 1 never ran anything on it.
+    sp_model = model
     del model
-    names = [n for n, _ in sp_model.named_parameters()]
+    named = list(sp_model.named_parameters())
+    names = [n for n, _ in named]
+    parts = None
     for mode, kw in cases:
         t0 = time.time()
         tag = f"[{Path(model_dir).parent.name} {mode} {kw or ''} W={world}]"
@@ -152,29 +201,38 @@ def _modes_body(rank, world, model_dir, seq_len, cases, out_path, grad_rel=GRAD_
         t_step = time.time() - t0
         total = loss.detach().clone()
         dist.all_reduce(total)
-        parts = [torch.empty_like(logits) for _ in range(world)] if rank == 0 else None
-        dist.gather(logits.detach().contiguous(), parts, dst=0)
-        params = dict(sp_model.named_parameters())
-        flat = torch.cat([params[k].grad.reshape(-1) for k in names])
-        dist.reduce(flat, dst=0)
+        if rank == 0 and (parts is None or parts[0].shape != logits.shape):
+            parts = [torch.empty_like(logits) for _ in range(world)]
+        dist.gather(logits.detach().contiguous(), parts if rank == 0 else None, dst=0)
+        del logits
+        for k, prm in named:  # a parameter without a gradient fails here, on every rank
+            assert prm.grad is not None, f"{tag}: no gradient for {k}"
+        # every gradient summed on rank 0, in place: one reduce per parameter (no flat copy), all queued at once;
+        # rank 0 compares each one as it lands while the later ones are still on their way
+        works = [dist.reduce(prm.grad, dst=0, async_op=True) for _, prm in named]
         if rank == 0:
-            ref_logits, ref_loss, ref_grads = ref
+            torch.set_num_threads(world)  # the other ranks only wait for the reduces and at the barrier below
+            errs = {}
+            for (k, prm), w in zip(named, works):
+                w.wait()
+                errs[k] = rel(prm.grad, ref_grads[k], key=k)
             full = unshard_sequence(mode, parts, dim=1, **kw)
-            grads, off = {}, 0
-            for k in names:
-                grads[k] = flat[off:off + params[k].numel()].view_as(params[k])
-                off += params[k].numel()
-            errs = {k: _rel(grads[k], ref_grads[k]) for k in names}
             worst = max(errs, key=errs.get)
+            logits_rel, loss_rel = rel(full, ref_logits, key="logits"), rel(total, ref_loss, key="loss")
             report[f"{mode}{'' if not kw else ' ' + str(kw)}"] = {
-                "logits_rel": _rel(full, ref_logits), "loss_rel": _rel(total, ref_loss),
+                "logits_rel": logits_rel, "loss_rel": loss_rel,
                 "grad_rel_max": errs[worst], "grad_rel_max_param": worst, "loss": float(ref_loss),
                 "seconds": round(time.time() - t0, 1), "step_seconds": round(t_step, 1)}
-            _check(full, ref_logits, REL, f"{tag} logits")
-            _check(total, ref_loss, REL, f"{tag} loss")
-            for k in names:
+            _check(full, ref_logits, REL, f"{tag} logits", logits_rel)
+            _check(total, ref_loss, REL, f"{tag} loss", loss_rel)
+            for k, prm in named:
                 if errs[k] > grad_rel:
-                    _check(grads[k], ref_grads[k], grad_rel, f"{tag} grad {k}")
+                    _check(prm.grad, ref_grads[k], grad_rel, f"{tag} grad {k}", errs[k])
+            del full
+            torch.set_num_threads(1)
+        else:
+            for w in works:
+                w.wait()
         dist.barrier()
     apply_seq_parallel_monkey_patch("data_parallel", sp_model)
     if rank == 0:
@@ -182,13 +240,13 @@ def _modes_body(rank, world, model_dir, seq_len, cases, out_path, grad_rel=GRAD_
             json.dump(report, f, indent=1)
 
 
-def test_converted_model_answers(smollm2_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_converted_model_answers(smollm2_dir, smollm2_tok):
+    from transformers import AutoModelForCausalLM
     cfg = json.loads((Path(smollm2_dir) / "config.json").read_text())
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
             cfg["rope_parameters"]["rope_theta"], cfg["max_position_embeddings"]) == (30, 576, 9, 3, 1e5, 8192), cfg
     assert "quantization_config" not in cfg and cfg["rms_norm_eps"] == 1e-5
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok = smollm2_tok
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
@@ -198,10 +256,11 @@ def test_converted_model_answers(smollm2_dir):
     assert "Paris" in answer, answer
 
 
-def _run_modes(model_dir, title, cases, tmp_path, text_vocab=False, seq_len=SEQ_LEN):
+def _run_modes(model_dir, tok, title, cases, tmp_path, text_vocab=False, seq_len=SEQ_LEN):
     from tests.harness import run_ranks
     out = tmp_path / "errors.json"
-    run_ranks(_modes_body, world_size=2, args=(model_dir, seq_len, cases, str(out), GRAD_REL, text_vocab),
+    ids = _real_ids(tok, seq_len)
+    run_ranks(_modes_body, world_size=2, args=(model_dir, ids, cases, str(out), GRAD_REL, text_vocab),
               timeout=900, collective_timeout=600)
     report = json.loads(out.read_text())
     ref_s = report.pop("reference_seconds")
@@ -213,8 +272,8 @@ def _run_modes(model_dir, title, cases, tmp_path, text_vocab=False, seq_len=SEQ_
               f"({r['grad_rel_max_param']})  loss {r['loss']:.4f}  {r['seconds']} s (step {r['step_seconds']} s)")
 
 
-def test_modes_equal_one_process(smollm2_dir, tmp_path):
-    _run_modes(smollm2_dir, "SmolLM2-135M", CASES, tmp_path)
+def test_modes_equal_one_process(smollm2_dir, smollm2_tok, tmp_path):
+    _run_modes(smollm2_dir, smollm2_tok, "SmolLM2-135M", CASES, tmp_path)
 
 
 def test_heads_refuse_ulysses_degree_2(smollm2_dir):
@@ -237,17 +296,17 @@ def test_check_cli_passes_on_converted_dir(smollm2_dir, capsys):
     assert "cannot be split over a Ulysses degree of 2" in capsys.readouterr().err
 
 
-def _ulysses3_body(rank, world, model_dir, seq_len, out_path):
-    _modes_body(rank, world, model_dir, seq_len, (("ulysses_attn", {}),), out_path)
+def _ulysses3_body(rank, world, model_dir, ids, out_path):
+    _modes_body(rank, world, model_dir, ids, (("ulysses_attn", {}),), out_path)
 
 
 @pytest.mark.slow
-def test_ulysses_on_three_ranks(smollm2_dir, tmp_path):
+def test_ulysses_on_three_ranks(smollm2_dir, smollm2_tok, tmp_path):
     """Where the heads allow it: 3 ranks (9 q / 3 kv heads split 3 ways)."""
     from tests.harness import run_ranks
     out = tmp_path / "errors.json"
-    run_ranks(_ulysses3_body, world_size=3, args=(smollm2_dir, SEQ_LEN - SEQ_LEN % 3, str(out)), timeout=900,
-              collective_timeout=600)
+    ids = _real_ids(smollm2_tok, SEQ_LEN - SEQ_LEN % 3)
+    run_ranks(_ulysses3_body, world_size=3, args=(smollm2_dir, ids, str(out)), timeout=900, collective_timeout=600)
     print("\n", json.loads(out.read_text()))
 
 
@@ -258,8 +317,8 @@ def test_ulysses_on_three_ranks(smollm2_dir, tmp_path):
 GEMMA3_CASES = (("zigzag_ring_attn", {}), ("dist_flash_attn", {}), ("ulysses_attn", {}))
 
 
-def test_gemma3_converted_model(gemma3_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_gemma3_converted_model(gemma3_dir, gemma3_tok):
+    from transformers import AutoModelForCausalLM
     d = Path(gemma3_dir)
     cfg = json.loads((d / "config.json").read_text())
     assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
@@ -269,7 +328,7 @@ def test_gemma3_converted_model(gemma3_dir):
     rope = {k: v["rope_theta"] for k, v in cfg["rope_parameters"].items()}
     assert rope == {"sliding_attention": 1e4, "full_attention": 1e6} and "quantization_config" not in cfg
     assert (d / "GEMMA_TERMS.html").is_file() and GEMMA_SEQ_LEN > cfg["sliding_window"]
-    tok = AutoTokenizer.from_pretrained(gemma3_dir)
+    tok = gemma3_tok
     model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
     ids = tok("Question: What is the capital of France?\nAnswer:", return_tensors="pt")["input_ids"]
     assert ids[0, 0] == tok.bos_token_id
@@ -279,17 +338,17 @@ def test_gemma3_converted_model(gemma3_dir):
     assert "Paris" in answer, answer
 
 
-def test_gemma3_modes_equal_one_process(gemma3_dir, tmp_path):
+def test_gemma3_modes_equal_one_process(gemma3_dir, gemma3_tok, tmp_path):
     """The real weights of every layer; the embedding and head cut to the text's tokens (_text_vocab)."""
-    _run_modes(gemma3_dir, "Gemma 3 270M (head cut to the text's tokens)", GEMMA3_CASES, tmp_path, text_vocab=True,
-               seq_len=GEMMA_SEQ_LEN)
+    _run_modes(gemma3_dir, gemma3_tok, "Gemma 3 270M (head cut to the text's tokens)", GEMMA3_CASES, tmp_path,
+               text_vocab=True, seq_len=GEMMA_SEQ_LEN)
 
 
 @pytest.mark.slow
-def test_gemma3_every_mode_whole_model(gemma3_dir, tmp_path):
+def test_gemma3_every_mode_whole_model(gemma3_dir, gemma3_tok, tmp_path):
     """The whole model (262,144-token head) under every mode and usp shape of 2 ranks: ~5 minutes, ~17 GB."""
-    _run_modes(gemma3_dir, "Gemma 3 270M", GEMMA3_CASES + (("usp_attn", {"ring_degree": 2}),
-                                                           ("usp_attn", {"ring_degree": 1})), tmp_path,
+    _run_modes(gemma3_dir, gemma3_tok, "Gemma 3 270M", GEMMA3_CASES + (("usp_attn", {"ring_degree": 2}),
+                                                                       ("usp_attn", {"ring_degree": 1})), tmp_path,
                seq_len=GEMMA_SEQ_LEN)
 
 

@@ -30,12 +30,51 @@ def _env(**extra):
     return env
 
 
+def _launch_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            os.path.join(ROOT, "accelerate_configs", "cpu.yaml"), "--num_processes", str(nproc),
+            "--main_process_port", str(free_port()), os.path.join(ROOT, "train.py"), *args]
+
+
 def launch(nproc: int, args: list[str], env: dict | None = None, timeout: int = 300):
     """accelerate launch train.py with the CPU DeepSpeed config (also for one process: same code path)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           os.path.join(ROOT, "accelerate_configs", "cpu.yaml"), "--num_processes", str(nproc),
-           "--main_process_port", str(free_port()), os.path.join(ROOT, "train.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(_launch_cmd(nproc, args), cwd=ROOT, env=env or _env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+class _Started:
+    """``launch`` started now and waited for later (``wait()``: the same CompletedProcess); its output goes to
+    temporary files, so it never blocks on a full pipe while the caller runs something else."""
+
+    def __init__(self, nproc: int, args: list[str], env: dict | None = None, timeout: int = 300):
+        import tempfile
+        import time
+        self.cmd, self.deadline = _launch_cmd(nproc, args), time.monotonic() + timeout
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env or _env(), stdout=self.out, stderr=self.err,
+                                     stdin=subprocess.DEVNULL, text=True)
+        self.done = None
+
+    def wait(self) -> subprocess.CompletedProcess:
+        import time
+        if self.done is None:
+            try:
+                self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+            finally:
+                self.stop()
+            self.out.seek(0)
+            self.err.seek(0)
+            self.done = subprocess.CompletedProcess(self.cmd, self.proc.returncode, self.out.read(), self.err.read())
+        return self.done
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the launcher passes it on to its workers
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def run_train(nproc, out, mode, extra=(), env=None):
@@ -76,10 +115,21 @@ def toy(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(toy, tmp_path_factory):
-    """Single-process run (data_parallel, DeepSpeed, 1 rank): the loss curve every sp mode must match."""
+    """Single-process run (data_parallel, DeepSpeed, 1 rank): the loss curve every sp mode must match. Started here,
+    in the background: one process leaves a core free, the test's own 2-rank launch runs beside it; ``reference()``
+    waits for it and returns the curve."""
     out = tmp_path_factory.mktemp("ref")
-    _ok(run_train(1, out, "data_parallel"))
-    return losses(out)
+    job = _Started(1, ["--model", TOY["model"], "--dataset", TOY["data"], "--output-dir", str(out),
+                       "--parallel_mode", "data_parallel", *COMMON])
+    curve: list = []
+
+    def result() -> list[float]:
+        if not curve:
+            _ok(job.wait())
+            curve.append(losses(out))
+        return curve[0]
+    yield result
+    job.stop()
 
 
 # ---------------------------------------------------------------- fast unit tests
@@ -169,7 +219,7 @@ def test_zigzag_equals_single_process_and_lr_is_flag(toy, reference, tmp_path):
     out = tmp_path / "zz"
     _ok(run_train(2, out, "zigzag_ring_attn", ["--save-rope-theta", "1e9", "--chunked-loss", "--checkpointing",
                                                "selective", "--head-chunks", "2"]))
-    got = losses(out)
+    got, reference = losses(out), reference()
     assert len(got) == STEPS and all(abs(a - b) <= 1e-4 for a, b in zip(got, reference)), (got, reference)
     assert got[-1] < got[0] - 0.3, got  # learnable toy corpus
     m = metrics(out)
@@ -200,7 +250,7 @@ def test_other_sp_modes_equal_single_process(toy, reference, tmp_path, mode):
     out = tmp_path / mode
     p = run_train(2, out, mode, ["--no-save-model", *MEMORY_FLAGS.get(mode, [])])
     _ok(p)
-    got = losses(out)
+    got, reference = losses(out), reference()
     assert all(abs(a - b) <= 1e-4 for a, b in zip(got, reference)) and len(got) == STEPS, (got, reference)
     if MEMORY_FLAGS.get(mode) == AUTO:  # one line on the main process; the choice in run.json
         assert p.stdout.count("--checkpointing auto (") == 1, p.stdout[-2000:]
@@ -248,7 +298,7 @@ def test_sigkill_and_resume_give_the_same_losses(toy, reference, tmp_path):
     p = run_train(2, out, "zigzag_ring_attn", args + ["--resume"])
     _ok(p)
     assert "step-0000004" in p.stdout + p.stderr
-    got = losses(out)
+    got, reference = losses(out), reference()
     assert len(got) == STEPS and all(abs(a - b) <= 1e-4 for a, b in zip(got, reference)), (got, reference)
 
 
