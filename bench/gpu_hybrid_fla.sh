@@ -8,7 +8,7 @@
 #                                         # layers speak the hybrid-cache protocol the recurrent paths use)
 # On the GPU machine; every step unpacks it into /tmp/fla-site first when missing (carry .gpusite in the first call;
 # later calls on the same warm machine need no carry):
-#   bash bench/gpu_hybrid_fla.sh test     # tests/test_delta_fla.py (fla vs torch, W = 2/4/8, bf16 drift) + CPU tests
+#   bash bench/gpu_hybrid_fla.sh test [-k ...]  # tests/test_delta_fla.py (fla vs torch, W = 2/4/8, bf16 drift) + CPU tests
 #   bash bench/gpu_hybrid_fla.sh layer    # bench_hybrid one layer (Qwen3-Next shape) at 32K and 128K: new vs old path
 #   bash bench/gpu_hybrid_fla.sh model [L...]  # bench_hybrid --model: Qwen3.5-9B-width stack vs attention twin
 #                                         # (default L = 32768 131072; ~9 min with first-call compiling)
@@ -47,9 +47,10 @@ case "${1:-}" in
     rm -rf "$t/site/bin"
     tar -C "$t/site" -cf - . | xz -T0 -9 > .gpusite/site.tar.xz.tmp && mv .gpusite/site.tar.xz.tmp .gpusite/site.tar.xz
     rm -rf "$t"; ls -la .gpusite ;;
-  test)
+  test)  # extra arguments go to pytest (e.g. -k fused)
+    shift
     install
-    timeout 520 python3 -m pytest -v -p no:cacheprovider --durations=8 -W ignore tests/test_delta_fla.py tests/test_delta_prepass.py \
+    timeout 520 python3 -m pytest -v -p no:cacheprovider --durations=8 -W ignore tests/test_delta_fla.py tests/test_delta_prepass.py "$@" \
       2>&1 | tee "$OUT/test_delta_fla.log" | tail -30 || true ;;
   layer)
     install
