@@ -91,18 +91,18 @@ def _segments(plan, mine, B, S):
 
 def _conv(layer, mixed, windows, seqs):
     """The depthwise causal conv of every sequence after its window (the piece's composed window for a ``first``
-    sequence, zeros after a document start), in one call over [w_0, x_0, w_1, x_1, ...]; (N, C) -> q, k, v."""
+    sequence, zeros after a document start), in one call over [w_0, x_0, w_1, x_1, ...]; (N, C) -> q, k, v. Kept by
+    index_select: the backward of conv[:, idx] (a sorted index_put_) was the path's slowest GPU kernel."""
     mod = sys.modules[type(layer).__module__]
     K1 = layer.conv_kernel_size - 1
     parts, keep, at = [], [], 0
     for a, b, i, r, first in seqs:
-        w = windows[i][r] if first else torch.zeros_like(windows[i][r])
-        parts += [w.to(mixed.dtype), mixed[:, a:b]]
+        parts += [(windows[i][r] if first else torch.zeros_like(windows[i][r])).to(mixed.dtype), mixed[:, a:b]]
         keep.append(torch.arange(at + K1, at + K1 + b - a))
         at += K1 + b - a
     conv = mod.causal_conv1d_fn(torch.cat(parts, -1)[None], layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
                                 activation=layer.activation)[0]
-    conv = conv[:, torch.cat(keep).to(conv.device)].transpose(0, 1)
+    conv = (conv[:, K1:] if len(seqs) == 1 else conv.index_select(1, torch.cat(keep).to(conv.device))).transpose(0, 1)
     q, k, v = conv.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     return (q.reshape(q.shape[0], -1, layer.head_k_dim), k.reshape(k.shape[0], -1, layer.head_k_dim),
             v.reshape(v.shape[0], -1, layer.head_v_dim))
