@@ -10,7 +10,10 @@ export WANDB_MODE ?= disabled
 export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's JIT-built CPU ops (CPU Adam, the shm comm op) live with the venv whose headers they were built against:
 # the default ~/.cache/torch_extensions is shared by every checkout, and a build from another venv is redone (~1 min).
+# The venv's bin/ first, for every recipe: its ninja (pip's, not the system's) is the one the tests' launchers find,
+# and ninja versions disagree on whether a build is current (each rebuilt what the other had built).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 OPS     := $(VENV)/.ops-built
 
 .PHONY: venv test test-all demo demo-check bench clean
@@ -41,11 +44,11 @@ test-all: $(OPS)
 
 # SEED=N picks the toy corpus, initial weights and row order (default 0); docs/demo.md.
 demo: $(OPS)
-	PATH=$(abspath $(VENV))/bin:$$PATH bash train_scripts/demo_cpu.sh
+	bash train_scripts/demo_cpu.sh
 
 # The demo as an outcome check (CI): fails unless stage 2 reads the needle (accuracy >= MIN_ACC, default 0.9).
 demo-check: $(OPS)
-	PATH=$(abspath $(VENV))/bin:$$PATH bash train_scripts/demo_cpu.sh --check
+	bash train_scripts/demo_cpu.sh --check
 
 bench: $(STAMP)
 	$(VPY) bench/bench_kernels.py
