@@ -2,7 +2,7 @@
 # Gated DeltaNet on flash-linear-attention (issue #49) on one GPU, each step within one 10-minute device call.
 # The GPU machine has torch 2.11 (whose bundled Triton fla 0.6 refuses for its gated backward on Hopper: "Triton >=
 # 3.4.0 and < 3.7.1 ... incorrect results") and transformers 5.17, and no package index. On the CPU machine, once:
-#   bash bench/gpu_hybrid_fla.sh pack     # -> .gpusite/site.tar.xz (git-ignored, ~57 MB: one carry): Triton 3.7.1
+#   bash bench/gpu_hybrid_fla.sh pack     # -> .gpusite/site.tar.xz (git-ignored, ~44 MB: one carry): Triton 3.7.1
 #                                         # (cp312; debug info stripped, profiler/CUPTI/Blackwell ptxas left out),
 #                                         # fla-core 0.6.0, einops, transformers 5.24.0 (whose qwen3_next / qwen3_5
 #                                         # layers speak the hybrid-cache protocol the recurrent paths use)
@@ -23,6 +23,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
 SITE=/tmp/fla-site
+KEEP_MODELS="auto llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe qwen3_next qwen3_5 qwen3_5_moe gemma gemma2 gemma3
+  phi3 olmo2 lfm2 lfm2_moe mamba mamba2 falcon_mamba bamba jamba zamba zamba2 nemotron_h granitemoehybrid falcon_h1"
 export PYTHONPATH=${FLA_ONE_CONFIG:+$PWD/bench/fla_one_config:}$SITE:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export TRITON_CACHE_DIR=/tmp/tcache TRITON_CACHE_AUTOTUNING=1
 install() {
@@ -45,6 +47,9 @@ case "${1:-}" in
     (cd "$t/site/triton" && rm -rf backends/nvidia/lib/cupti backends/nvidia/bin/ptxas-blackwell _C/libproton.so \
       instrumentation/libGPUInstrumentationTestLib.so plugins/*TestLib* FileCheck && strip --strip-unneeded _C/libtriton.so)
     rm -rf "$t/site/bin"
+    # transformers' model folders beyond the families the tests and benches build (~10 MB compressed): room in the
+    # carry for Triton's cache (tcache.tar.xz), so a fresh machine skips the first call's autotuning
+    (cd "$t/site/transformers/models" && for d in */; do d=${d%/}; case " $(echo $KEEP_MODELS) " in *" $d "*) ;; *) rm -rf "$d" ;; esac; done)
     tar -C "$t/site" -cf - . | xz -T0 -9 > .gpusite/site.tar.xz.tmp && mv .gpusite/site.tar.xz.tmp .gpusite/site.tar.xz
     rm -rf "$t"; ls -la .gpusite ;;
   test)  # extra arguments go to pytest (e.g. -k fused)
