@@ -3,7 +3,7 @@
 # The GPU machine has torch 2.11 (whose bundled Triton fla 0.6 refuses for its gated backward on Hopper: "Triton >=
 # 3.4.0 and < 3.7.1 ... incorrect results") and transformers 5.17, and no package index. On the CPU machine, once:
 #   bash bench/gpu_hybrid_fla.sh pack     # -> .gpusite/site.tar.xz (git-ignored, ~44 MB: one carry): Triton 3.7.1
-#                                         # (cp312; debug info stripped, profiler/CUPTI/Blackwell ptxas left out),
+#                                         # (cp312; debug info stripped, profiler/CUPTI/Blackwell ptxas/disassemblers left out),
 #                                         # fla-core 0.6.0, einops, transformers 5.24.0 (whose qwen3_next / qwen3_5
 #                                         # layers speak the hybrid-cache protocol the recurrent paths use)
 # On the GPU machine; every step unpacks it into /tmp/fla-site first when missing (carry .gpusite in the first call;
@@ -45,7 +45,8 @@ case "${1:-}" in
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$t" fla-core==0.6.0 einops==0.8.2 transformers==5.24.0
     for w in "$t"/*.whl; do unzip -q -o "$w" -d "$t/site"; done  # a wheel is a zip (pip refuses cp312 here)
     (cd "$t/site/triton" && rm -rf backends/nvidia/lib/cupti backends/nvidia/bin/ptxas-blackwell _C/libproton.so \
-      instrumentation/libGPUInstrumentationTestLib.so plugins/*TestLib* FileCheck && strip --strip-unneeded _C/libtriton.so)
+      instrumentation/libGPUInstrumentationTestLib.so plugins/*TestLib* plugins/*.so* FileCheck \
+      backends/nvidia/bin/nvdisasm backends/nvidia/bin/cuobjdump && strip --strip-unneeded _C/libtriton.so)  # SASS dumps only
     rm -rf "$t/site/bin"
     # transformers' model folders beyond the families the tests and benches build (~10 MB compressed): room in the
     # carry for Triton's cache (tcache.tar.xz), so a fresh machine skips the first call's autotuning
