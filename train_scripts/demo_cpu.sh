@@ -10,7 +10,8 @@
 #  3. eval_ppl.py (+ plot.py, log y axis), eval_needle.py (heatmaps of stage 1 and stage 2: haystacks of 64-448
 #     tokens, i.e. beyond stage 1's 256) and eval_ruler.py (score vs length) on the result, CSV/PNG next to the
 #     models; the paths of the pictures are printed at the end
-# The first DeepSpeed run JIT-compiles two ops (about a minute; cached in ~/.cache/torch_extensions).
+# The first DeepSpeed run JIT-compiles two ops (about a minute; `make venv` builds them into .venv/torch_extensions,
+# a run by hand without make caches them in ~/.cache/torch_extensions).
 #
 #   bash train_scripts/demo_cpu.sh [--seed N] [--check]     (or SEED=N, CHECK=1; `make demo`, `make demo-check`)
 # --seed N: the toy corpus, tokenizer and initial weights (toy.py --seed) and train.py's --seed (row order); default 0.
