@@ -7,54 +7,36 @@ This is the path a user runs: the Trainer moves each micro-batch with ``.to(devi
 step can give a rank identical local positions, which lost or swapped the packed rows' dispatch table before it
 travelled in the model call (dispatch/plan.py)."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.background import Background
+from tests.harness import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 
 
 class _Launch:
-    """One launch of ``cmd`` (torchrun with ``nproc`` > 1), started now; ``result()`` waits for it and loads its
-    report. Its output goes to files next to the report (two launches at once: neither can block on a full pipe)."""
+    """One launch of ``cmd`` (torchrun with ``nproc`` > 1), started now (``tests/background.py``); ``result()`` waits
+    for it and loads its report."""
 
     def __init__(self, cmd: list[str], report: Path, nproc: int = 1, **extra_env):
-        import socket
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-                  "127.0.0.1", "--master_port", str(port)] if nproc > 1 else [sys.executable]
+                  "127.0.0.1", "--master_port", str(free_port())] if nproc > 1 else [sys.executable]
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
                    TOKENIZERS_PARALLELISM="false", **extra_env)
         self.cmd, self.report, self.nproc = cmd, report, nproc
-        self.logs = (report.with_suffix(".stdout"), report.with_suffix(".stderr"))
-        with open(self.logs[0], "w") as so, open(self.logs[1], "w") as se:
-            self.proc = subprocess.Popen(launch + cmd + ["--report", str(report)], cwd=ROOT, env=env, stdout=so,
-                                         stderr=se, stdin=subprocess.DEVNULL, text=True)
-
-    def stop(self) -> None:
-        """End the launch if it still runs (torchrun passes SIGTERM on to its workers)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.job = Background(launch + cmd + ["--report", str(report)], env, ROOT, timeout=900)
+        self.stop = self.job.stop
 
     def result(self) -> dict:
-        try:
-            code = self.proc.wait(timeout=900)
-        finally:
-            self.stop()
-        out, err = (p.read_text() for p in self.logs)
-        assert code == 0, f"{' '.join(self.cmd)} (nproc {self.nproc}) failed:\n{out[-3000:]}\n{err[-6000:]}"
+        r = self.job.wait()
+        assert r.returncode == 0, \
+            f"{' '.join(self.cmd)} (nproc {self.nproc}) failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
         return torch.load(self.report, weights_only=True)
 
 

@@ -184,7 +184,6 @@ def _modes_body(rank, world, model_dir, ids, cases, out_path, grad_rel=GRAD_REL,
     sp_model = model
     del model
     named = list(sp_model.named_parameters())
-    names = [n for n, _ in named]
     parts = None
     for mode, kw in cases:
         t0 = time.time()

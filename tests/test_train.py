@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tests.background import Background
 from tests.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,45 +43,13 @@ def launch(nproc: int, args: list[str], env: dict | None = None, timeout: int = 
                           timeout=timeout)
 
 
-class _Started:
-    """``launch`` started now and waited for later (``wait()``: the same CompletedProcess); its output goes to
-    temporary files, so it never blocks on a full pipe while the caller runs something else."""
-
-    def __init__(self, nproc: int, args: list[str], env: dict | None = None, timeout: int = 300):
-        import tempfile
-        import time
-        self.cmd, self.deadline = _launch_cmd(nproc, args), time.monotonic() + timeout
-        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env or _env(), stdout=self.out, stderr=self.err,
-                                     stdin=subprocess.DEVNULL, text=True)
-        self.done = None
-
-    def wait(self) -> subprocess.CompletedProcess:
-        import time
-        if self.done is None:
-            try:
-                self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-            finally:
-                self.stop()
-            self.out.seek(0)
-            self.err.seek(0)
-            self.done = subprocess.CompletedProcess(self.cmd, self.proc.returncode, self.out.read(), self.err.read())
-        return self.done
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # the launcher passes it on to its workers
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def _train_args(out, mode, extra=()) -> list[str]:
+    return ["--model", TOY["model"], "--dataset", TOY["data"], "--output-dir", str(out), "--parallel_mode", mode,
+            *COMMON, *extra]
 
 
 def run_train(nproc, out, mode, extra=(), env=None):
-    p = launch(nproc, ["--model", TOY["model"], "--dataset", TOY["data"], "--output-dir", str(out),
-                       "--parallel_mode", mode, *COMMON, *extra], env=env)
-    return p
+    return launch(nproc, _train_args(out, mode, extra), env=env)
 
 
 def metrics(out) -> dict[int, dict]:
@@ -119,8 +88,7 @@ def reference(toy, tmp_path_factory):
     in the background: one process leaves a core free, the test's own 2-rank launch runs beside it; ``reference()``
     waits for it and returns the curve."""
     out = tmp_path_factory.mktemp("ref")
-    job = _Started(1, ["--model", TOY["model"], "--dataset", TOY["data"], "--output-dir", str(out),
-                       "--parallel_mode", "data_parallel", *COMMON])
+    job = Background(_launch_cmd(1, _train_args(out, "data_parallel")), _env(), ROOT, timeout=300)
     curve: list = []
 
     def result() -> list[float]:
