@@ -128,6 +128,7 @@ class TorchKernels:
         self.ref = inspect.unwrap(module.torch_chunk_gated_delta_rule)
 
     normalized = False  # True: q, k come l2-normalised (FlaKernels' fallback pre-pass)
+    conv1d = None  # the short conv: the model file's (delta_parallel._conv)
 
     def prepare(self, q, k, v, g, beta):  # the reference normalises q, k itself
         return q, k, v, g, beta
@@ -210,6 +211,12 @@ class FlaKernels:
             self.name += " + torch state pre-pass"
         self.torch = TorchKernels.__new__(TorchKernels)
         self.torch.normalized = True
+        try:  # the short conv: fla's varlen kernel, windows as initial states (delta_parallel._conv)
+            from fla.modules.causal_conv1d import causal_conv1d
+            self.conv1d = causal_conv1d
+            self.name += " + fla conv"
+        except ImportError:
+            self.conv1d = None
 
     def prepare(self, q, k, v, g, beta):
         return (self.l2norm(q.contiguous()), self.l2norm(k.contiguous()), v.contiguous(), g.contiguous(),
@@ -235,15 +242,11 @@ class FlaKernels:
         w, u, A = c["intra"](k=k4, v=v4.contiguous(), g=gc, beta=b4.contiguous(), cu_seqlens=cu_t, chunk_indices=idx)
         return gc, w, u, A
 
-    def summaries(self, k4, w, u, gc, cu_t, seqs=None):
-        """[R | P] (n, H, dk, dv + dk) float32: of every sequence of the row in one launch (``seqs`` None), else of
-        the sequences ``seqs``, one launch each (the path validated on the GPU before the multi-sequence launch)."""
+    def summaries(self, k4, w, u, gc, cu_t):
+        """[R | P] (n, H, dk, dv + dk) float32 of every sequence of the row, in one launch."""
         H, dk, dv = u.shape[2], k4.shape[-1], u.shape[-1]
-        hm = k4.new_zeros(len(cu_t) - 1 if seqs is None else len(seqs), H, dk, dv + dk, dtype=torch.float32)
-        if seqs is None:
-            self.cp["fwd_h"](k=k4, w=w, u=u, hm=hm, g=gc, cu_seqlens=cu_t, chunk_size=CHUNK, multi_seqs=True)
-        for j, s in enumerate(seqs or []):
-            self.cp["fwd_h"](k=k4, w=w, u=u, hm=hm[j], g=gc, cu_seqlens=cu_t[s:s + 2], chunk_size=CHUNK)
+        hm = k4.new_zeros(len(cu_t) - 1, H, dk, dv + dk, dtype=torch.float32)
+        self.cp["fwd_h"](k=k4, w=w, u=u, hm=hm, g=gc, cu_seqlens=cu_t, chunk_size=CHUNK, multi_seqs=True)
         return hm
 
     @torch.no_grad()
@@ -252,7 +255,7 @@ class FlaKernels:
             return TorchKernels.summarize(self.torch, k, v, g, beta, cu, seqs)
         cu_t, idx = self.geometry(cu, k.device)
         gc, w, u, _ = self.wy(k[None], v[None], g[None], beta[None], cu_t, idx)
-        hm, dv = self.summaries(k[None], w, u, gc, cu_t, seqs), v.shape[-1]
+        hm, dv = self.summaries(k[None], w, u, gc, cu_t)[torch.tensor(seqs, device=k.device)], v.shape[-1]
         return list(hm[..., :dv]), list(hm[..., dv:])
 
     @torch.no_grad()

@@ -89,20 +89,29 @@ def _segments(plan, mine, B, S):
     return plan._delta_segments[1]
 
 
-def _conv(layer, mixed, windows, seqs):
+def _conv(layer, kern, mixed, windows, seqs, cu):
     """The depthwise causal conv of every sequence after its window (the piece's composed window for a ``first``
-    sequence, zeros after a document start), in one call over [w_0, x_0, w_1, x_1, ...]; (N, C) -> q, k, v. Kept by
-    index_select: the backward of conv[:, idx] (a sorted index_put_) was the path's slowest GPU kernel."""
-    mod = sys.modules[type(layer).__module__]
+    sequence, zeros after a document start); ``mixed`` (N, C) tokens first -> q, k, v. fla: its varlen kernel, each
+    sequence's window as its initial state (the gradient of the windows from its dh0). Torch: the model file's conv
+    in one call over [w_0, x_0, w_1, x_1, ...], tokens kept by index_select (the backward of conv[:, idx], a sorted
+    index_put_, was the path's slowest GPU kernel)."""
     K1 = layer.conv_kernel_size - 1
-    parts, keep, at = [], [], 0
-    for a, b, i, r, first in seqs:
-        parts += [(windows[i][r] if first else torch.zeros_like(windows[i][r])).to(mixed.dtype), mixed[:, a:b]]
-        keep.append(torch.arange(at + K1, at + K1 + b - a))
-        at += K1 + b - a
-    conv = mod.causal_conv1d_fn(torch.cat(parts, -1)[None], layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
-                                activation=layer.activation)[0]
-    conv = (conv[:, K1:] if len(seqs) == 1 else conv.index_select(1, torch.cat(keep).to(conv.device))).transpose(0, 1)
+    weight, bias = layer.conv1d.weight.squeeze(1), layer.conv1d.bias
+    win = [(windows[i][r] if first else torch.zeros_like(windows[i][r])).to(mixed.dtype) for _, _, i, r, first in seqs]
+    if getattr(kern, "conv1d", None) is not None:
+        init = torch.nn.functional.pad(torch.stack(win), (1, 0))  # fla's state: K inputs, the newest last
+        conv, _ = kern.conv1d(mixed[None], weight, bias, initial_state=init, activation=layer.activation,
+                              cu_seqlens=torch.tensor(cu, device=mixed.device), cu_seqlens_cpu=torch.tensor(cu))
+        conv = conv[0]
+    else:
+        parts, keep, at = [], [], 0
+        for (a, b, *_), w in zip(seqs, win):
+            parts += [w, mixed[a:b].T]
+            keep.append(torch.arange(at + K1, at + K1 + b - a))
+            at += K1 + b - a
+        conv = sys.modules[type(layer).__module__].causal_conv1d_fn(torch.cat(parts, -1)[None], weight, bias,
+                                                                   activation=layer.activation)[0]
+        conv = (conv[:, K1:] if len(seqs) == 1 else conv.index_select(1, torch.cat(keep).to(conv.device))).T
     q, k, v = conv.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     return (q.reshape(q.shape[0], -1, layer.head_k_dim), k.reshape(k.shape[0], -1, layer.head_k_dim),
             v.reshape(v.shape[0], -1, layer.head_v_dim))
@@ -136,10 +145,10 @@ def run_plan(plan, layer, x: torch.Tensor) -> torch.Tensor | None:
     windows = compose_windows(plan, tails, K - 1)
     seqs = _segments(plan, mine, Bn, S)
     cu = [s[0] for s in seqs] + [Bn * S]
-    q, k, v = _conv(layer, mixed.transpose(0, 1).reshape(mixed.shape[1], Bn * S), windows, seqs)
+    kern = kernels_for(layer, x.device)
+    q, k, v = _conv(layer, kern, mixed.transpose(1, 2).reshape(Bn * S, mixed.shape[1]), windows, seqs, cu)
     beta = b.sigmoid().reshape(Bn * S, -1)
     g = (-layer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + layer.dt_bias)).reshape(Bn * S, -1)
-    kern = kernels_for(layer, x.device)
     q, k, v, g, beta = kern.prepare(q, k, v, g, beta)
     H, dk, dv = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     like = (torch.zeros(Bn, H, dk, dv, dtype=torch.float32, device=x.device),
