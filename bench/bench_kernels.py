@@ -28,7 +28,7 @@ def check_correctness():
     rows = []
     torch.manual_seed(0)
     for (lq, lk, hq, hkv, d, causal) in [(1024, 1024, 8, 8, 128, True), (1000, 1000, 6, 2, 64, True),
-                                          (512, 1536, 8, 2, 128, False)]:
+                                          (512, 1536, 8, 2, 128, False), (768, 768, 4, 2, 256, True)]:
         q = torch.randn(2, lq, hq, d, device="cuda", dtype=torch.float64)
         k = torch.randn(2, lk, hkv, d, device="cuda", dtype=torch.float64)
         v = torch.randn(2, lk, hkv, d, device="cuda", dtype=torch.float64)

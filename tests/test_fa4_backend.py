@@ -177,7 +177,9 @@ def test_auto_choice_prefers_fa4_on_hopper_only():
     assert kernels.auto_cuda_backend(torch.bfloat16, 128, True, yes) == "fa4"
     assert kernels.auto_cuda_backend(torch.bfloat16, 128, True, no) == "cudnn"
     assert kernels.auto_cuda_backend(torch.bfloat16, 128, False, yes) == "flash"
-    assert kernels.auto_cuda_backend(torch.bfloat16, 256, True, yes) == "efficient"
+    assert kernels.auto_cuda_backend(torch.bfloat16, 256, True, yes) == "cudnn"
+    assert kernels.auto_cuda_backend(torch.bfloat16, 256, False, yes) == "flash"
+    assert kernels.auto_cuda_backend(torch.bfloat16, 512, True, yes) == "efficient"
     assert kernels.auto_cuda_backend(torch.float32, 128, True, yes) == "efficient"
     assert kernels.auto_cuda_backend(torch.float64, 128, True, yes) == "math"
     assert "fa4" not in kernels.available_backends("cpu")

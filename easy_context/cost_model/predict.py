@@ -19,6 +19,8 @@ def predict(shape: Shape, opt: Option, env: Env) -> dict:
     kernel = opt.kernel or (g["default_kernel"] if mode_of(opt).is_parallel else "sdpa")
     if kernel not in g["attn_fwd_bwd_tflops"]:
         kernel = g["default_kernel"]
+    if shape.head_dim > 128 and kernel in ("fa4", "cudnn"):  # fa4 runs up to head dim 128, cuDNN above it
+        kernel = "cudnn_d256" if "cudnn_d256" in g["attn_fwd_bwd_tflops"] else "cudnn"  # (kernels/backends.py)
     reasons: list[str] = []
 
     k, host_peak, host_node = host_memory(shape, opt, env, g, T, reasons)

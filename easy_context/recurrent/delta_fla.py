@@ -7,7 +7,7 @@ one program per (head, value block): a long sequence leaves most of the GPU idle
 into sub-sequences of ``SPAN`` tokens (longer where a row would get over ``MAX_SUBS``; chunk-aligned: the
 chunk-local passes are unchanged), each summarised as S_out = P S_in + R like a piece, composed here, and scanned at
 once (the idea of fla's intra-card context parallelism, fla/ops/common/intracard_cp.py, used here in training too).
-Opt-in (``EASY_CONTEXT_DELTA_FUSED=1``) until the GPU tests have passed on it.
+The default with fla (``EASY_CONTEXT_DELTA_FUSED=0``: the separate passes), uncut (``SPAN`` 0) unless asked.
 
 Forward:  cumsum(g), WY (w, u, A) -> [R | P] of every sub-sequence in one launch -> each sequence's (R, P) ->
           state_in (the caller's exchange + composition) -> each sub-sequence's incoming state -> state scan ->
@@ -25,7 +25,7 @@ import os
 import torch
 
 SPAN_ENV = "EASY_CONTEXT_DELTA_SPAN"  # tokens per sub-sequence of the state scans (a multiple of 64; 0: no cut)
-SPAN = 2048
+SPAN = 0  # no cut: a rank's pieces already scan side by side; a cut did not pay on the GPU (docs/hybrid.md)
 MAX_SUBS = 32  # a longer row gets longer sub-sequences: the saved transitions stay at <= 32 x H x dk x dk
 
 

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # "torch" / "fla": force one backend (tests, benches); unset: fla on CUDA where importable, else torch
 KERNEL_ENV = "EASY_CONTEXT_DELTA_KERNEL"
-FUSED_ENV = "EASY_CONTEXT_DELTA_FUSED"  # "1": fla's pass as one Function (delta_fla.py); off until GPU-tested
+FUSED_ENV = "EASY_CONTEXT_DELTA_FUSED"  # "0": fla's three passes instead of the one Function (delta_fla.py)
 CHUNK = 64  # the chunk of both backends (fla's default; transformers' torch rule uses 64 as well)
 
 
@@ -277,10 +277,10 @@ class FlaKernels:
         return out
 
     def parallel_rule(self, q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out):
-        """With ``EASY_CONTEXT_DELTA_FUSED=1``: fla's building blocks in one autograd Function (delta_fla.py; w, u
-        made once for both passes, the state scans over sub-sequences at once). Otherwise the three passes above,
-        each making its own w, u (the path the GPU tests have passed)."""
-        if self.cp is None or os.environ.get(FUSED_ENV) != "1":
+        """fla's building blocks in one autograd Function (delta_fla.py: w, u made once for both passes, every
+        sequence's state scan in one launch: the faster path, docs/hybrid.md). With
+        ``EASY_CONTEXT_DELTA_FUSED=0`` the three passes above, each making its own w, u."""
+        if self.cp is None or os.environ.get(FUSED_ENV) == "0":
             return parallel_rule(self, q, k, v, g, beta, cu, lasts, firsts, state_in, grad_out)
         from .delta_fla import FlaPieces
         return FlaPieces.apply(q, k, v, g, beta, (self, cu, lasts, firsts, state_in, grad_out))
