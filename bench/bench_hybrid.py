@@ -189,7 +189,7 @@ def qwen35_config(layers: int, attention_only: bool, tiny: bool = False):
                                 max_position_embeddings=1 << 20, **kw)
 
 
-def model_rows(lengths, layers, device, steps, checkpointing, tiny):
+def model_rows(lengths, layers, device, steps, checkpointing, tiny, tiles=1):
     """Rows of --model: the hybrid stack and its attention-only twin, fwd+bwd of one step at each length."""
     from bench.llama7b import build_model, one_rank_group
     from easy_context import apply_seq_parallel_monkey_patch
@@ -208,7 +208,8 @@ def model_rows(lengths, layers, device, steps, checkpointing, tiny):
             model.config.model_type = "qwen3"  # refusal of unknown recurrent layers reads (recurrent/detect.py)
         apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
         for L in lengths:
-            configure_memory(model, checkpointing=checkpointing, tiled_mlp=L >= 262144)
+            configure_memory(model, checkpointing=checkpointing, tiled_mlp=L >= 262144,
+                             recurrent_tiles=tiles if which == "hybrid" else 1)
             ids = torch.randint(0, model.config.vocab_size, (1, L + 1), device=device)
             pos = torch.arange(L, device=device)[None]
 
@@ -262,6 +263,7 @@ def main(argv=None):
     p.add_argument("--checkpointing", default="layer", help="--model: configure_memory's checkpointing")
     p.add_argument("--steps", type=int, default=2, help="--model: timed steps (median), after one warm-up")
     p.add_argument("--no-layer", action="store_true", help="--model: skip the per-layer rows")
+    p.add_argument("--recurrent-tiles", type=int, default=1, help="--model: configure_memory's recurrent_tiles")
     args = p.parse_args(argv)
     from bench.common import env_line, table
     if args.tiny:
@@ -275,9 +277,11 @@ def main(argv=None):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     size = args.size or ("real" if device.type == "cuda" else "small")
     if args.model:
-        mrows = model_rows(args.lengths, args.model_layers, device, args.steps, args.checkpointing, args.tiny)
+        mrows = model_rows(args.lengths, args.model_layers, device, args.steps, args.checkpointing, args.tiny,
+                           args.recurrent_tiles)
         print(env_line() + f"; {args.device}, {dtype}; Qwen3.5-9B widths, {args.model_layers} layers, one training "
-              f"step fwd+bwd (chunked loss, checkpointing {args.checkpointing}, tiled MLP from 256K)")
+              f"step fwd+bwd (chunked loss, checkpointing {args.checkpointing}, tiled MLP from 256K, recurrent tiles "
+              f"{args.recurrent_tiles})")
         print(table(mrows, list(mrows[0])))
         size, args.layers = ("tiny" if args.tiny else "qwen35"), ([] if args.no_layer else ["gated_deltanet"])
         args.length = max(args.lengths) if args.tiny else args.length

@@ -13,8 +13,8 @@
 #   bash bench/gpu_hybrid_fla.sh model [L...]  # bench_hybrid --model: Qwen3.5-9B-width stack vs attention twin
 #                                         # (default L = 32768 131072; ~9 min with first-call compiling)
 #   bash bench/gpu_hybrid_fla.sh layer9b  # the 9B-width GDN layer at W = 8, 128K: par/share, peaks
-#   bash bench/gpu_hybrid_fla.sh model512 # the same stack pair at 512K, one step each, checkpoint offload (with
-#                                         # layer checkpointing both ran out of 80 GB)
+#   bash bench/gpu_hybrid_fla.sh model512 # the same stack pair at 512K, one step each, checkpoint offload, the
+#                                         # recurrent layers in TILES (default 8) tiles (untiled: out of 139 GB)
 #   bash bench/gpu_hybrid_fla.sh profile  # bench/gdn_profile.py: the 9B-width layer's own vs parallel path, 16K tokens
 #   bash bench/gpu_hybrid_fla.sh save-cache  # $OUT/tcache.tar.xz: Triton's cache with autotuning picks; copied into
 #                                         # .gpusite/, later calls carrying .gpusite skip the first-call tuning
@@ -76,6 +76,7 @@ case "${1:-}" in
   model512)
     install
     timeout 560 python3 bench/bench_hybrid.py --model --lengths 524288 --steps 1 --no-layer --checkpointing offload \
+      --recurrent-tiles ${TILES:-8} \
       2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_model512.log" | tail -8 || true ;;
   profile)
     install

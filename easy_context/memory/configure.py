@@ -8,6 +8,7 @@ from ..ops.lean_norm import apply_lean_norms, remove_lean_norms  # memory -> ops
 from .head_chunks import apply_head_chunks, remove_head_chunks
 from .offload import CheckpointOffload, enable_checkpoint_offload
 from .tiled_mlp import apply_tiled_mlp, untile_mlp
+from ..recurrent.patch import set_tiles
 
 CHECKPOINTING = ("none", "layer", "selective", "offload", "nested")
 
@@ -23,6 +24,7 @@ class MemoryConfig:
     selective_layers: tuple[int, ...] | None = None
     keep_nested_attention: bool = False
     head_chunks: int = 1
+    recurrent_tiles: int = 1
 
 
 def _undo(model):
@@ -44,7 +46,8 @@ def _undo(model):
 def configure_memory(model, checkpointing: str = "layer", offload_every_k: int = 1,
                      tiled_mlp: bool | int | str = False, selective: bool = False,
                      lean_norm: bool = False, selective_layers=None,
-                     keep_nested_attention: bool = True, head_chunks: int = 1) -> MemoryConfig:
+                     keep_nested_attention: bool = True, head_chunks: int = 1,
+                     recurrent_tiles: int = 1) -> MemoryConfig:
     """Set the memory options of a transformers causal LM (call again to change them; idempotent).
 
     checkpointing: ``"none"``; ``"layer"`` (HF per-layer, non-reentrant); ``"selective"`` (keep attention
@@ -65,14 +68,19 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
       H200 with offload: 96.6 -> 56.6 KB/token with 8 groups, 0.96x the speed at 128K). Exact. Needs a mode's
       attention (apply_seq_parallel_monkey_patch, any mode, sp = 1 too), plain q/k/v/o Linears, a divisor of the
       kv heads; under ZeRO-3 each block gathers its own parameters (memory/head_chunks.py).
+    recurrent_tiles: a hybrid's recurrent layers (gated DeltaNet, short conv, Mamba-2) run their sequence in this
+      many tiles one after another, the forward keeping only the layer input and each tile's incoming state, the
+      backward recomputing one tile at a time: one tile's working set at the peak instead of the whole sequence's
+      (one more forward of those layers). Exact. One process (sp = 1) with the patch applied (any mode).
     The chunked loss is not a model setting: compute the loss with ``causal_lm_loss``.
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
     if int(offload_every_k) < 1:
         raise ValueError(f"offload_every_k must be >= 1, got {offload_every_k}")
-    if int(head_chunks) < 1:
-        raise ValueError(f"head_chunks must be >= 1, got {head_chunks}")
+    for name, n in (("head_chunks", head_chunks), ("recurrent_tiles", recurrent_tiles)):
+        if int(n) < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
     if selective_layers is not None and not (checkpointing == "selective" or selective):
         raise ValueError("selective_layers needs selective=True (or checkpointing='selective')")
     _undo(model)
@@ -99,9 +107,10 @@ def configure_memory(model, checkpointing: str = "layer", offload_every_k: int =
         apply_lean_norms(model)
     if int(head_chunks) > 1:
         apply_head_chunks(model, int(head_chunks))
+    set_tiles(model, int(recurrent_tiles))
     return MemoryConfig(checkpointing, int(offload_every_k), tiled_mlp, bool(selective), bool(lean_norm), mgr,
                         None if selective_layers is None else tuple(int(i) for i in selective_layers), nested,
-                        int(head_chunks))
+                        int(head_chunks), int(recurrent_tiles))
 
 
 __all__ = ["configure_memory", "MemoryConfig", "CHECKPOINTING"]

@@ -145,15 +145,19 @@ def _backward_chain(plan, adapter, layer, x, d_out, states_in, params, d_x, d_pa
             _send(d_s_in, s_in, pieces[i - 1].owner)
 
 
-def run_layer(plan: Plan, adapter, layer, x: torch.Tensor) -> torch.Tensor:
-    """The layer's output for this rank's tokens, exact for the global sequence (forward and backward)."""
+def run_layer(plan: Plan, adapter, layer, x: torch.Tensor, tiles: int = 1) -> torch.Tensor:
+    """The layer's output for this rank's tokens, exact for the global sequence (forward and backward). ``tiles``
+    (configure_memory's recurrent_tiles): one process runs the layer as the chain over that many tiles of its
+    sequence, the backward recomputing one tile at a time (the layer's working set of one tile at the peak)."""
     gather_direct(layer)  # ZeRO-3: conv weights read outside the conv's forward (zero3.py)
     params = [p for p in layer.parameters() if p.requires_grad]
     fast = getattr(adapter, "run_plan", None)  # an adapter with its own parallel path (Mamba-2: mamba2_parallel.py)
     out = fast(plan, layer, x) if fast is not None and not plan.single else None
     if out is not None:
         return out
-    if plan.single:  # one process (data_parallel resets, an sp mode on one rank): plain autograd, ZeRO-3 too
+    if plan.single and tiles > 1 and torch.is_grad_enabled() and (x.requires_grad or params):
+        plan = plan.tiled(tiles)  # no messages: every tile is this rank's; the chain's recompute keeps one tile
+    elif plan.single:  # one process (data_parallel resets, an sp mode on one rank): plain autograd, ZeRO-3 too
         return chain_forward(plan, adapter, layer, x)[0]
     with whole_layer(layer):  # ZeRO-3 across ranks: the layer's parameters gathered once for the chain (zero3.py)
         if not torch.is_grad_enabled() or not (x.requires_grad or params):  # no backward: the forward chain only

@@ -29,6 +29,7 @@ class _Context:
         self.hook = None
         self.layers: list = []
         self.infer = None  # SeqParallelLM's decode handle (inference.py), None in training
+        self.tiles = 1  # configure_memory(recurrent_tiles=): the layer's sequence in tiles on one process
 
     def groups(self) -> dict:
         if "ring_degree" in self._groups:  # no process group at patch time: built now, collectively
@@ -73,7 +74,7 @@ def _forward_for(ctx, layer, adapter):
         if ctx.infer is not None:  # SeqParallelLM: forward / prefill / decode (inference.py)
             return ctx.infer.run(ctx, layer, hidden_states)
         plan = ctx.plan(hidden_states.shape[0], hidden_states.shape[1])
-        return run_layer(plan, adapter, layer, hidden_states)
+        return run_layer(plan, adapter, layer, hidden_states, ctx.tiles)
     return forward
 
 
@@ -110,6 +111,16 @@ def apply(mode, model, groups: dict, require_table: bool = False) -> None:
     setattr(model, _ATTR, ctx)
 
 
+def set_tiles(model, tiles: int) -> None:
+    """configure_memory's recurrent_tiles: the patched recurrent layers of ``model`` run in that many tiles."""
+    ctx = getattr(model, _ATTR, None)
+    if ctx is None and tiles > 1:
+        raise ValueError("recurrent_tiles needs the recurrent layers patched: call "
+                         "apply_seq_parallel_monkey_patch(mode, model) first (any mode; sp = 1 too)")
+    if ctx is not None:
+        ctx.tiles = tiles
+
+
 def refuse_family(mode, family) -> None:
     """A family-string patch cannot reach the recurrent layers (they are wrapped per instance): refuse it."""
     if family.recurrent and mode.is_parallel:
@@ -117,4 +128,4 @@ def refuse_family(mode, family) -> None:
                          f"model: pass the model instance, apply_seq_parallel_monkey_patch({mode.name!r}, model)")
 
 
-__all__ = ["apply", "refuse_family"]
+__all__ = ["apply", "refuse_family", "set_tiles"]

@@ -44,6 +44,17 @@ class Plan:
                 out.append(p)
         return Plan(self.me, tuple(out), self.resets)
 
+    def tiled(self, tiles: int, chunk: int = 64) -> "Plan":
+        """The same plan cut into ``tiles`` runs of equal length (a multiple of ``chunk`` tokens, the kernels', where
+        a run is longer than that)."""
+        total = sum(p.length for p in self.pieces)
+        step = -(-total // tiles)
+        step = step if step < chunk else -(-step // chunk) * chunk
+        plan = self
+        for index in range(step, total, step):
+            plan = plan.cut_at(index)
+        return plan
+
 
 def _me() -> int:
     import torch.distributed as dist
