@@ -130,7 +130,7 @@ def apply_auto_checkpointing(model, args, layout, accelerator, head_chunks="auto
 
 def choice_record(choice, tokens: int, gpu: float, host: float) -> dict:
     return {"offload_every_k": choice.offload_every_k, "selective_layers": list(choice.selective_layers),
-            "head_chunks": choice.head_chunks,
+            "head_chunks": choice.head_chunks, "recurrent_tiles": choice.recurrent_tiles,
             "tokens_per_rank": tokens, "gpu_budget_gib": gpu / GiB, "host_budget_gib": host / GiB,
             "describe": choice.describe()}
 

@@ -139,3 +139,11 @@ def test_auto_checkpointing_keeps_only_the_softmax_layers_outputs():
     assert tight.selective_layers == (15, 19, 23, 27, 31)  # the last softmax layers only, as many as fit
     with pytest.raises(ValueError, match="one layer's backward"):  # gated DeltaNet's working set, not attention's
         choose_checkpointing(s, 524288, gpu, 200 * GiB)
+    # one process may run the recurrent layers in tiles (configure_memory's recurrent_tiles): 512K then fits, with
+    # the fewest tiles that bring gated DeltaNet's working set down to one attention layer's
+    from easy_context.cost_model.memory import attn_working_set, recurrent_layer_bytes
+    tiled = choose_checkpointing(s, 524288, gpu, 200 * GiB, recurrent_tiles=32)
+    ws_attn, ws_rec = attn_working_set(s, "fa4", "offload", 524288), recurrent_layer_bytes(s.recurrent[0], s, 524288)
+    assert tiled.recurrent_tiles > 1 and ws_rec / tiled.recurrent_tiles <= ws_attn < ws_rec / (tiled.recurrent_tiles / 2)
+    assert "recurrent layers in" in tiled.describe()
+    assert choose_checkpointing(s, 131072, gpu, 200 * GiB, recurrent_tiles=32).recurrent_tiles >= 1

@@ -21,6 +21,15 @@ from dataclasses import dataclass
 
 GiB = 2**30
 MARGIN = 0.06  # of the GPU budget: allocator slack and what the working-set model does not see
+MAX_TILES = 32  # recurrent_tiles auto_checkpointing may choose
+
+
+def tiles_apply(model) -> bool:
+    """Do recurrent tiles reach ``model``'s recurrent layers: patched, and no sequence-parallel group of several
+    ranks (there every rank runs its own pieces at once: recurrent/delta_parallel.py)?"""
+    import torch.distributed as dist
+    ctx = getattr(model, "_easy_context_recurrent", None)
+    return ctx is not None and not (ctx.mode.is_parallel and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 @dataclass(frozen=True)
@@ -32,27 +41,32 @@ class CheckpointChoice:
     saved_s: float           # predicted attention recompute time the selective layers skip
     reason: str
     head_chunks: int = 1     # attention blocks in head groups (memory/head_chunks.py)
+    recurrent_tiles: int = 1  # a hybrid's recurrent layers in tiles (configure_memory's recurrent_tiles)
 
     def describe(self) -> str:
         heads = f", attention in {self.head_chunks} head groups" if self.head_chunks > 1 else ""
+        heads += f", recurrent layers in {self.recurrent_tiles} tiles" if self.recurrent_tiles > 1 else ""
         return (f"offload k={self.offload_every_k} ({self.host_bytes / GiB:.1f} GiB host){heads}, "
                 f"{len(self.selective_layers)} selective layers (+{self.gpu_extra_bytes / GiB:.1f} GiB GPU, "
                 f"~{self.saved_s:.1f} s less recompute): {self.reason}")
 
 
 def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: float, kernel: str = "fa4",
-                         gpu: str = "h200", margin: float = MARGIN, head_chunks=(1,)) -> CheckpointChoice:
+                         gpu: str = "h200", margin: float = MARGIN, head_chunks=(1,),
+                         recurrent_tiles: int = 1) -> CheckpointChoice:
     """``shape``: a cost_model Shape; ``gpu_budget``: bytes free for activations (weights and gradients already
     counted out); ``host_budget``: bytes of host memory that may be pinned; ``margin``: the share of the GPU budget
     left unplanned (allocator slack, what the working-set model misses); ``head_chunks``: the head-group counts
     allowed (memory/head_chunks.py: same FLOPs, a smaller working set): the fewest groups that keep the most
     selective layers win. Raises ValueError when even one kept input per every layer of the model does not fit the
     host, or the working set does not fit the GPU at any allowed head-group count. A hybrid's selective layers are
-    its softmax-attention layers (``shape.attn_layers``: the only ones with an output to keep)."""
+    its softmax-attention layers (``shape.attn_layers``: the only ones with an output to keep); ``recurrent_tiles``
+    (one process only): at most that many tiles for its recurrent layers, the fewest whose working set is no larger
+    than one attention layer's."""
     best, no_room = None, None
     for n in sorted({int(c) for c in head_chunks}):
         try:
-            c = _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n)
+            c = _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, recurrent_tiles)
         except _NoRoom as e:  # more groups may fit
             no_room = e
             continue
@@ -67,7 +81,7 @@ class _NoRoom(ValueError):
     pass
 
 
-def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n) -> CheckpointChoice:
+def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, max_tiles=1) -> CheckpointChoice:
     from ..cost_model.constants import gpu_constants
     from ..cost_model.memory import attn_output_bytes, attn_working_set, recurrent_layer_bytes
     from ..cost_model.step_time import interp
@@ -82,7 +96,10 @@ def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n) -> C
         raise ValueError(f"auto checkpointing: {layers_n} layers need at least {inp / GiB:.1f} GiB of host memory")
     attn = shape.attn_layers
     recurrent = max((recurrent_layer_bytes(r, shape, T) for r in shape.recurrent), default=0.0)
-    work = max(attn_working_set(shape, kernel, "offload", T, n), recurrent) + (k - 1) * (inp + out)
+    ws_attn, tiles = attn_working_set(shape, kernel, "offload", T, n), 1
+    while tiles < max_tiles and recurrent / tiles > ws_attn:
+        tiles *= 2
+    work = max(ws_attn, recurrent / tiles) + (k - 1) * (inp + out)
     room = gpu_budget * (1 - margin) - work
     if room < 0:
         heads = f" (attention in {n} head groups)" if n > 1 else ""
@@ -99,7 +116,7 @@ def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n) -> C
         less = attn_working_set(shape, kernel, "offload", T) - attn_working_set(shape, kernel, "offload", T, n)
         why += f" (attention in {n} head groups: {less / GiB:.1f} GiB less working set)"
     return CheckpointChoice(k, layers, math.ceil(layers_n / k) * inp, s * out + (k - 1) * (inp + out), s * t_fwd,
-                            why, n)
+                            why, n, tiles)
 
 
 def _host_available() -> float:
@@ -146,10 +163,12 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
         from .head_chunks import head_chunk_options
         head_chunks = head_chunk_options(model)
     choice = choose_checkpointing(shape, tokens, gpu_budget, host_budget, kernel, margin=margin,
-                                  head_chunks=(head_chunks,) if isinstance(head_chunks, int) else tuple(head_chunks))
+                                  head_chunks=(head_chunks,) if isinstance(head_chunks, int) else tuple(head_chunks),
+                                  recurrent_tiles=MAX_TILES if tiles_apply(model) else 1)
     cfg = configure_memory(model, "offload", offload_every_k=choice.offload_every_k, tiled_mlp=tiled_mlp,
                            selective=bool(choice.selective_layers), lean_norm=lean_norm,
-                           selective_layers=choice.selective_layers or None, head_chunks=choice.head_chunks)
+                           selective_layers=choice.selective_layers or None, head_chunks=choice.head_chunks,
+                           recurrent_tiles=choice.recurrent_tiles)
     return choice, cfg
 
 
