@@ -77,13 +77,14 @@ def _layer(kind: str, size: str, device, dtype):
     return layer.to(device=device, dtype=dtype), cfg.hidden_size
 
 
-def _timer(device, iters):
+def _timer(device, iters, warmup=1):
     if device.type == "cuda":
         from bench.common import cuda_time_ms
-        return lambda fn: cuda_time_ms(fn, warmup=1, iters=iters)
+        return lambda fn: cuda_time_ms(fn, warmup=warmup, iters=iters)
 
-    def cpu_ms(fn):  # median of iters after one warm-up call
-        fn()
+    def cpu_ms(fn):  # median of iters after the warm-up calls
+        for _ in range(warmup):
+            fn()
         times = []
         for _ in range(iters):
             t = time.perf_counter()
@@ -189,7 +190,8 @@ def qwen35_config(layers: int, attention_only: bool, tiny: bool = False):
                                 max_position_embeddings=1 << 20, **kw)
 
 
-def model_rows(lengths, layers, device, steps, checkpointing, tiny, tiles=1):
+def model_rows(lengths, layers, device, steps, checkpointing, tiny, tiles=1, stacks=("hybrid", "attention"),
+               warmup=1):
     """Rows of --model: the hybrid stack and its attention-only twin, fwd+bwd of one step at each length."""
     from bench.llama7b import build_model, one_rank_group
     from easy_context import apply_seq_parallel_monkey_patch
@@ -197,9 +199,9 @@ def model_rows(lengths, layers, device, steps, checkpointing, tiny, tiles=1):
     from easy_context.memory import configure_memory
     from easy_context.recurrent.init import slow_decay_
     one_rank_group()
-    timer = _timer(device, steps)
-    res = {}
-    for which in ("hybrid", "attention"):
+    timer = _timer(device, steps, warmup)
+    res = {(w, L): (float("nan"), float("nan")) for w in ("hybrid", "attention") for L in lengths}
+    for which in stacks:
         torch.manual_seed(0)
         model = build_model(qwen35_config(layers, which == "attention", tiny), device)
         if which == "hybrid":
@@ -264,6 +266,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2, help="--model: timed steps (median), after one warm-up")
     p.add_argument("--no-layer", action="store_true", help="--model: skip the per-layer rows")
     p.add_argument("--recurrent-tiles", type=int, default=1, help="--model: configure_memory's recurrent_tiles")
+    p.add_argument("--stacks", nargs="+", default=["hybrid", "attention"], choices=["hybrid", "attention"],
+                   help="--model: which of the pair to run")
+    p.add_argument("--warmup", type=int, default=1, help="--model: untimed steps first")
     args = p.parse_args(argv)
     from bench.common import env_line, table
     if args.tiny:
@@ -278,7 +283,7 @@ def main(argv=None):
     size = args.size or ("real" if device.type == "cuda" else "small")
     if args.model:
         mrows = model_rows(args.lengths, args.model_layers, device, args.steps, args.checkpointing, args.tiny,
-                           args.recurrent_tiles)
+                           args.recurrent_tiles, args.stacks, args.warmup)
         print(env_line() + f"; {args.device}, {dtype}; Qwen3.5-9B widths, {args.model_layers} layers, one training "
               f"step fwd+bwd (chunked loss, checkpointing {args.checkpointing}, tiled MLP from 256K, recurrent tiles "
               f"{args.recurrent_tiles})")

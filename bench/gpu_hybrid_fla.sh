@@ -73,10 +73,11 @@ case "${1:-}" in
     install
     timeout 560 python3 bench/bench_hybrid.py --length 131072 --size qwen35 --layers gated_deltanet --worlds 8 \
       --no-chain --no-old --iters 2 2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_layer9b.log" | tail -8 || true ;;
-  model512)
+  model512)  # extra arguments go to bench_hybrid.py (e.g. --stacks hybrid --warmup 0)
+    shift
     install
     timeout 560 python3 bench/bench_hybrid.py --model --lengths 524288 --steps 1 --no-layer --checkpointing offload \
-      --recurrent-tiles ${TILES:-8} \
+      --recurrent-tiles ${TILES:-8} "$@" \
       2>&1 | grep -v Warn | tee "$OUT/hybrid_fla_model512.log" | tail -8 || true ;;
   profile)
     install
