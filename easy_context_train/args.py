@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="run each attention block in this many head groups, its backward one group at a time (exact; a smaller "
       "working set: 96.6 -> 56.6 KB/token at 7B with 8 on an H200, ~4%% slower; under ZeRO-3 each block gathers its "
       "own parameters). Default 1; --checkpointing auto chooses it when not given (easy_context/memory/head_chunks.py)")
+    a("--recurrent-tiles", type=int, default=None,
+      help="hybrids, one rank per sequence (sp = 1): the recurrent layers run their sequence in this many tiles, the "
+      "backward one tile at a time (exact; one tile's working set, one more forward of those layers). Default 1; "
+      "--checkpointing auto chooses it when not given (docs/hybrid.md)")
     a("--chunked-loss", action="store_true", help="LM head + loss in chunks, never materializing full logits")
     a("--tiled-mlp", action="store_true", help="run MLPs tile by tile along the sequence")
     a("--no-sliding-window", action="store_true",
@@ -257,8 +261,9 @@ def check_args(args) -> None:
     if args.eval_every and args.eval_dataset is None:
         raise UsageError("--eval-every needs --eval-dataset (the held-out rows to evaluate)")
     check_auto_checkpointing(args)
-    if args.head_chunks is not None and args.head_chunks < 1:
-        raise UsageError(f"--head-chunks must be >= 1, got {args.head_chunks}")
+    for flag in ("head_chunks", "recurrent_tiles"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if (args.head_chunks or 1) > 1 and not mode.supports_attention_cache:
         raise UsageError(f"--head-chunks needs a sequence-parallel mode's attention (it keeps each head group's "
                          f"output + LSE); --parallel_mode {mode.name} runs the model's own: use --head-chunks 1 or a "

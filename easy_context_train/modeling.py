@@ -88,7 +88,7 @@ def apply_memory_options(model, args, layout=None, accelerator=None):
         else:
             configure_memory(model, checkpointing=args.checkpointing, tiled_mlp=args.tiled_mlp,
                              offload_every_k=1 if args.offload_every_k is None else args.offload_every_k,
-                             head_chunks=heads or 1)
+                             head_chunks=heads or 1, recurrent_tiles=getattr(args, "recurrent_tiles", None) or 1)
         if args.fused_ops:  # after configure_memory, which resets the norms it manages
             apply_fused_ops(model)
     except ValueError as e:

@@ -58,7 +58,7 @@ def test_recurrent_tiles_equal_the_plain_model_and_keep_less(family, monkeypatch
 
 def test_recurrent_tiles_need_the_patch():
     model = build_hybrid("qwen3_5")
-    with pytest.raises(ValueError, match="recurrent_tiles needs the recurrent layers patched"):
+    with pytest.raises(ValueError, match="recurrent_tiles needs recurrent layers routed by the patch"):
         configure_memory(model, checkpointing="none", recurrent_tiles=2)
     with pytest.raises(ValueError, match="recurrent_tiles must be >= 1"):
         configure_memory(model, checkpointing="none", recurrent_tiles=0)

@@ -102,11 +102,14 @@ def gpu_memory(shape: Shape, opt: Option, env: Env, T: float, k: int) -> float:
 
 def recurrent_working_set(shape: Shape, opt: Option, T: float, batch: int) -> float:
     """Bytes of the largest recurrent layer's backward at T local tokens (cost_model/hybrid.py's per-token formula
-    x recurrent_ws_factor), plus every piece's exchanged summary held on every rank (sp > 1)."""
+    x recurrent_ws_factor; one tile's at sp = 1 with ``opt.recurrent_tiles``), plus every piece's exchanged summary
+    held on every rank (sp > 1)."""
     if not shape.recurrent:
         return 0.0
     pieces = (2 if mode_of(opt).packed_pairs else 1) * opt.sp if opt.sp > 1 else 0
-    return max(recurrent_layer_bytes(r, shape, T) + pieces * batch * sum(r.piece_bytes()) for r in shape.recurrent)
+    tiles = opt.recurrent_tiles if opt.sp == 1 else 1
+    return max(recurrent_layer_bytes(r, shape, T) / tiles + pieces * batch * sum(r.piece_bytes())
+               for r in shape.recurrent)
 
 
 def recurrent_layer_bytes(r, shape: Shape, T: float) -> float:

@@ -24,6 +24,7 @@ class Option:
     head_chunks: int = 1               # attention blocks in head groups (memory/head_chunks.py)
     selective_layers: int = 0          # offload: layers keeping their attention output (train.py --checkpointing auto)
     linear_kernel: str = "fla"         # hybrids: gated DeltaNet's chunk rule, "fla" or "torch" (the model file's)
+    recurrent_tiles: int = 1           # hybrids, sp = 1: recurrent layers in tiles (configure_memory)
 
 
 @dataclass

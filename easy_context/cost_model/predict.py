@@ -45,7 +45,7 @@ def predict(shape: Shape, opt: Option, env: Env) -> dict:
     return dict(mode=opt.mode, dp=opt.dp, sp=opt.sp, ring=opt.ring, checkpointing=opt.checkpointing,
                 offload_every_k=k if opt.checkpointing == "offload" else None, chunked_loss=opt.chunked_loss,
                 tiled_mlp=opt.tiled_mlp, head_chunks=opt.head_chunks, selective_layers=opt.selective_layers,
-                zero=opt.zero, kernel=kernel,
+                recurrent_tiles=opt.recurrent_tiles, zero=opt.zero, kernel=kernel,
                 gpu_peak_gib=round(gpu_peak / GiB, 2),
                 host_peak_gib_per_node=round(host_peak / GiB, 1), step_s=round(step, 3), tokens_per_s=round(tok_s, 1),
                 mfu=round(mfu, 4), fits=not reasons, why_not="; ".join(reasons),

@@ -61,6 +61,8 @@ def compute_time(shape: Shape, opt: Option, env: Env, g: dict, kernel: str, T: f
         # the mode's attention keeps what the rebuild computed for the layer's backward: memory/offload.py)
         kept_attn = mode_of(opt).supports_attention_cache
         total += (k - 1) / k * (t_mm / 3 + (0.0 if kept_attn else nA * t_attn_f) + rec_ew + t_rec_f)
+    if opt.recurrent_tiles > 1 and opt.sp == 1:  # the tiles' chain recomputes the recurrent layers' forward once more
+        total += t_rec_f + sum(r.count * r.proj_params(d) for r in shape.recurrent) * 2.0 * T / r_mm
     if opt.head_chunks > 1:  # each group's q/k/v product is rebuilt in the block's backward (memory/head_chunks.py)
         total += nA * 2.0 * d * (da + 2 * shape.d_kv) * T / r_mm
     t_head = (6.0 + (2.0 if opt.chunked_loss else 0.0)) * shape.vocab * d * T / r_mm

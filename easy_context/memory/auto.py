@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 GiB = 2**30
 MARGIN = 0.06  # of the GPU budget: allocator slack and what the working-set model does not see
-MAX_TILES = 32  # recurrent_tiles auto_checkpointing may choose
+TILES = (1, 2, 4, 8, 16, 32)  # recurrent_tiles auto_checkpointing may choose
 
 
 def tiles_apply(model) -> bool:
@@ -53,7 +53,7 @@ class CheckpointChoice:
 
 def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: float, kernel: str = "fa4",
                          gpu: str = "h200", margin: float = MARGIN, head_chunks=(1,),
-                         recurrent_tiles: int = 1) -> CheckpointChoice:
+                         recurrent_tiles=(1,)) -> CheckpointChoice:
     """``shape``: a cost_model Shape; ``gpu_budget``: bytes free for activations (weights and gradients already
     counted out); ``host_budget``: bytes of host memory that may be pinned; ``margin``: the share of the GPU budget
     left unplanned (allocator slack, what the working-set model misses); ``head_chunks``: the head-group counts
@@ -61,8 +61,7 @@ def choose_checkpointing(shape, tokens: int, gpu_budget: float, host_budget: flo
     selective layers win. Raises ValueError when even one kept input per every layer of the model does not fit the
     host, or the working set does not fit the GPU at any allowed head-group count. A hybrid's selective layers are
     its softmax-attention layers (``shape.attn_layers``: the only ones with an output to keep); ``recurrent_tiles``
-    (one process only): at most that many tiles for its recurrent layers, the fewest whose working set is no larger
-    than one attention layer's."""
+    (one process only): the tile counts allowed for its recurrent layers, the fewest that fit is taken."""
     best, no_room = None, None
     for n in sorted({int(c) for c in head_chunks}):
         try:
@@ -81,7 +80,7 @@ class _NoRoom(ValueError):
     pass
 
 
-def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, max_tiles=1) -> CheckpointChoice:
+def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, tiles=(1,)) -> CheckpointChoice:
     from ..cost_model.constants import gpu_constants
     from ..cost_model.memory import attn_output_bytes, attn_working_set, recurrent_layer_bytes
     from ..cost_model.step_time import interp
@@ -96,11 +95,12 @@ def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, max_
         raise ValueError(f"auto checkpointing: {layers_n} layers need at least {inp / GiB:.1f} GiB of host memory")
     attn = shape.attn_layers
     recurrent = max((recurrent_layer_bytes(r, shape, T) for r in shape.recurrent), default=0.0)
-    ws_attn, tiles = attn_working_set(shape, kernel, "offload", T, n), 1
-    while tiles < max_tiles and recurrent / tiles > ws_attn:
-        tiles *= 2
-    work = max(ws_attn, recurrent / tiles) + (k - 1) * (inp + out)
-    room = gpu_budget * (1 - margin) - work
+    ws_attn = attn_working_set(shape, kernel, "offload", T, n)
+    for tiles in sorted(tiles):  # the fewest recurrent tiles that fit (each costs a forward of those layers)
+        work = max(ws_attn, recurrent / tiles) + (k - 1) * (inp + out)
+        room = gpu_budget * (1 - margin) - work
+        if room >= 0:
+            break
     if room < 0:
         heads = f" (attention in {n} head groups)" if n > 1 else ""
         raise _NoRoom(f"auto checkpointing: one layer's backward needs ~{work / GiB:.1f} GiB at {tokens} tokens"
@@ -145,7 +145,7 @@ def measure_budgets(model, gpu_budget: float | None = None, host_budget: float |
 
 def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host_budget: float | None = None,
                        kernel: str | None = None, tiled_mlp=True, lean_norm: bool = True, margin: float = MARGIN,
-                       head_chunks="auto"):
+                       head_chunks="auto", recurrent_tiles="auto"):
     """Choose (``choose_checkpointing``) and apply (``configure_memory``) offloaded checkpointing for ``tokens``
     local tokens. Budgets default to this process's: free GPU memory minus the bf16 gradients still to come, and
     80% of the host's MemAvailable. ``head_chunks``: "auto" (any count the model allows, memory/head_chunks.py; 1
@@ -164,7 +164,8 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
         head_chunks = head_chunk_options(model)
     choice = choose_checkpointing(shape, tokens, gpu_budget, host_budget, kernel, margin=margin,
                                   head_chunks=(head_chunks,) if isinstance(head_chunks, int) else tuple(head_chunks),
-                                  recurrent_tiles=MAX_TILES if tiles_apply(model) else 1)
+                                  recurrent_tiles=(TILES if tiles_apply(model) else (1,)) if recurrent_tiles == "auto"
+                                  else (int(recurrent_tiles),))
     cfg = configure_memory(model, "offload", offload_every_k=choice.offload_every_k, tiled_mlp=tiled_mlp,
                            selective=bool(choice.selective_layers), lean_norm=lean_norm,
                            selective_layers=choice.selective_layers or None, head_chunks=choice.head_chunks,

@@ -115,8 +115,8 @@ def set_tiles(model, tiles: int) -> None:
     """configure_memory's recurrent_tiles: the patched recurrent layers of ``model`` run in that many tiles."""
     ctx = getattr(model, _ATTR, None)
     if ctx is None and tiles > 1:
-        raise ValueError("recurrent_tiles needs the recurrent layers patched: call "
-                         "apply_seq_parallel_monkey_patch(mode, model) first (any mode; sp = 1 too)")
+        raise ValueError("recurrent_tiles needs recurrent layers routed by the patch: a hybrid model (gated DeltaNet, "
+                         "short conv, Mamba-2 layers) after apply_seq_parallel_monkey_patch(mode, model), any mode")
     if ctx is not None:
         ctx.tiles = tiles
 

@@ -80,6 +80,7 @@ def _fmt_row(i, r) -> list[str]:
     lay = f"{r['dp']}x{r['sp']}" + (f" (R{r['ring']}xU{r['sp'] // r['ring']})" if r["ring"] else "")
     ck = r["checkpointing"] + (f" k={r['offload_every_k']}" if r["checkpointing"] == "offload" else "") \
         + (f" heads/{r['head_chunks']}" if r.get("head_chunks", 1) > 1 else "") \
+        + (f" rec-tiles/{r['recurrent_tiles']}" if r.get("recurrent_tiles", 1) > 1 else "") \
         + (f" sel {r['selective_layers']}" if r.get("selective_layers") else "")
     return [str(i), r["mode"], lay, ck, "yes" if r["chunked_loss"] else "no", "yes" if r["tiled_mlp"] else "no",
             r["zero"], f"{r['gpu_peak_gib']:.1f}", f"{r['host_peak_gib_per_node']:.0f}", f"{r['step_s']:.2f}",

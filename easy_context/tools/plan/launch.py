@@ -48,4 +48,6 @@ def train_flags(row: dict, env: Env) -> list[str]:
         f.append("--tiled-mlp")
     if row.get("head_chunks", 1) > 1:
         f.append(f"--head-chunks {row['head_chunks']}")
+    if row.get("recurrent_tiles", 1) > 1:
+        f.append(f"--recurrent-tiles {row['recurrent_tiles']}")
     return f

@@ -38,6 +38,8 @@ def candidates(shape: Shape, env: Env, kernel: str | None = None, linear_kernel:
         opt = Option(mode, dp, sp, ckpt, chunked, tiled, zero, ring=ring, kernel=kernel if m.is_parallel else None,
                      linear_kernel=linear_kernel)
         here = [predict(shape, opt, env)]
+        if shape.recurrent and sp == 1 and not here[0]["fits"]:  # configure_memory's recurrent_tiles
+            here.append(predict(shape, replace(opt, recurrent_tiles=RECURRENT_TILES), env))
         n = head_chunks_for(shape)
         if n > 1 and m.supports_attention_cache and ckpt != "none":
             here.append(predict(shape, replace(opt, head_chunks=n), env))  # memory/head_chunks.py
@@ -60,6 +62,9 @@ def with_selective(shape: Shape, opt: Option, env: Env, row: dict | None = None)
     room = gpu_mem * C("usable_gpu_fraction") * (1 - MARGIN) * GiB - row["gpu_peak_gib"] * GiB
     s = min(shape.n_attn, int(room // attn_output_bytes(shape, env.batch * env.seq_len / opt.sp)))
     return predict(shape, replace(opt, selective_layers=s), env) if row["fits"] and s > 0 else None
+
+
+RECURRENT_TILES = 8  # a recurrent layer's working set / 8 at sp = 1; one more forward of those layers
 
 
 def head_chunks_for(shape: Shape) -> int:
