@@ -249,7 +249,8 @@ def _hybrid_toy(base: str, family: str) -> dict:
 def test_train_py_hybrid_zigzag_equals_one_process(tmp_path):
     """train.py end to end on CPU (float32, Accelerate's DDP over gloo; ZeRO-3 is covered by
     tests/test_hybrid_zero3.py): a gated-DeltaNet hybrid on packed documents, zigzag on 2 ranks, gives the loss curve
-    of one process (data_parallel, which resets the state at the same document starts)."""
+    of one process (data_parallel, which resets the state at the same document starts; its recurrent layers in 3
+    tiles, --recurrent-tiles: the memory option's exactness on the user's path)."""
     import os
     import subprocess
     import sys
@@ -260,7 +261,7 @@ def test_train_py_hybrid_zigzag_equals_one_process(tmp_path):
     for nproc, mode in ((1, "data_parallel"), (2, "zigzag_ring_attn")):
         out = tmp_path / mode
         args = ["--model", toy["model"], "--dataset", toy["data"], "--output-dir", str(out), "--parallel_mode", mode,
-                *T.COMMON, "--no-save-model"]
+                *T.COMMON, "--no-save-model", *(["--recurrent-tiles", "3"] if nproc == 1 else [])]
         launcher = [sys.executable] if nproc == 1 else [
             sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
