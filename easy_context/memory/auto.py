@@ -24,14 +24,6 @@ MARGIN = 0.06  # of the GPU budget: allocator slack and what the working-set mod
 TILES = (1, 2, 4, 8, 16, 32)  # recurrent_tiles auto_checkpointing may choose
 
 
-def tiles_apply(model) -> bool:
-    """Do recurrent tiles reach ``model``'s recurrent layers: patched, and no sequence-parallel group of several
-    ranks (there every rank runs its own pieces at once: recurrent/delta_parallel.py)?"""
-    import torch.distributed as dist
-    ctx = getattr(model, "_easy_context_recurrent", None)
-    return ctx is not None and not (ctx.mode.is_parallel and dist.is_initialized() and dist.get_world_size() > 1)
-
-
 @dataclass(frozen=True)
 class CheckpointChoice:
     offload_every_k: int
@@ -153,6 +145,7 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
     import torch
 
     from ..cost_model.shape import shape_from_dict
+    from ..recurrent.patch import tiles_reach
     from .configure import configure_memory
     shape = shape_from_dict(type(model).__name__, model.config.to_dict())
     gpu_budget, host_budget = measure_budgets(model, gpu_budget, host_budget)
@@ -164,7 +157,7 @@ def auto_checkpointing(model, tokens: int, gpu_budget: float | None = None, host
         head_chunks = head_chunk_options(model)
     choice = choose_checkpointing(shape, tokens, gpu_budget, host_budget, kernel, margin=margin,
                                   head_chunks=(head_chunks,) if isinstance(head_chunks, int) else tuple(head_chunks),
-                                  recurrent_tiles=(TILES if tiles_apply(model) else (1,)) if recurrent_tiles == "auto"
+                                  recurrent_tiles=(TILES if tiles_reach(model) else (1,)) if recurrent_tiles == "auto"
                                   else (int(recurrent_tiles),))
     cfg = configure_memory(model, "offload", offload_every_k=choice.offload_every_k, tiled_mlp=tiled_mlp,
                            selective=bool(choice.selective_layers), lean_norm=lean_norm,

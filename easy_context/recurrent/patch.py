@@ -121,6 +121,14 @@ def set_tiles(model, tiles: int) -> None:
         ctx.tiles = tiles
 
 
+def tiles_reach(model) -> bool:
+    """Would recurrent tiles reach ``model``'s recurrent layers: patched, and no sequence-parallel group of several
+    ranks (there every rank runs its own pieces at once, the tiles unused: chain.run_layer)?"""
+    import torch.distributed as dist
+    ctx = getattr(model, _ATTR, None)
+    return ctx is not None and not (ctx.mode.is_parallel and dist.is_initialized() and dist.get_world_size() > 1)
+
+
 def refuse_family(mode, family) -> None:
     """A family-string patch cannot reach the recurrent layers (they are wrapped per instance): refuse it."""
     if family.recurrent and mode.is_parallel:
@@ -128,4 +136,4 @@ def refuse_family(mode, family) -> None:
                          f"model: pass the model instance, apply_seq_parallel_monkey_patch({mode.name!r}, model)")
 
 
-__all__ = ["apply", "refuse_family", "set_tiles"]
+__all__ = ["apply", "refuse_family", "set_tiles", "tiles_reach"]
