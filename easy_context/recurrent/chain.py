@@ -155,8 +155,8 @@ def run_layer(plan: Plan, adapter, layer, x: torch.Tensor, tiles: int = 1) -> to
     out = fast(plan, layer, x) if fast is not None and not plan.single else None
     if out is not None:
         return out
-    if plan.single and tiles > 1 and torch.is_grad_enabled() and (x.requires_grad or params):
-        plan = plan.tiled(tiles)  # no messages: every tile is this rank's; the chain's recompute keeps one tile
+    if plan.single and tiles > 1:  # every tile this rank's (no messages); the chain's recompute keeps one tile
+        plan = plan.tiled(tiles)
     elif plan.single:  # one process (data_parallel resets, an sp mode on one rank): plain autograd, ZeRO-3 too
         return chain_forward(plan, adapter, layer, x)[0]
     with whole_layer(layer):  # ZeRO-3 across ranks: the layer's parameters gathered once for the chain (zero3.py)
