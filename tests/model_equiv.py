@@ -215,8 +215,8 @@ def check_model_equivalence(rank, world_size, seq_algo, family, seq_len=32, batc
             assert out is sp_model
         else:
             raise ValueError(f"patch must be 'instance' or 'family', got {patch!r}")
-        if prepare_sp_model is not None:  # e.g. checkpointing options on the SP model only
-            prepare_sp_model(sp_model)
+        if prepare_sp_model is not None:  # e.g. checkpointing options on the SP model only; a returned model
+            sp_model = prepare_sp_model(sp_model) or sp_model  # replaces it (copy.deepcopy of the patched model)
 
         prepared = prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, sp_rank, sp_size,
                                                torch.device("cpu"), dispatch=dispatch, **layout_kw)

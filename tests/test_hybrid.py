@@ -109,6 +109,13 @@ def _equivalence_body(rank, world_size, full):
         pos = _packed(2, 32, seed=3) if packed else None
         check_model_equivalence(rank, world_size, mode, family, position_ids=pos, **kw)
     assert runs["n"] > 0, "the parallel recurrent paths never ran"
+    # a deep copy of the patched model (TRL's reference model, an EMA copy) routes its own layers: a copy still
+    # bound to the original's would leave its recurrent parameters without gradients
+    import copy
+    n = runs["n"]
+    check_model_equivalence(rank, world_size, "zigzag_ring_attn", "qwen3_next", position_ids=_packed(2, 32, 3),
+                            prepare_sp_model=copy.deepcopy)
+    assert runs["n"] > n, "the deep copy's recurrent layers did not run the parallel path"
     os.environ[SERIAL_ENV] = "1"  # the serial chain, still selectable
     try:
         for family in ("qwen3_next", "lfm2"):

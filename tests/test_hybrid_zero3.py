@@ -2,7 +2,8 @@
 the short conv (lfm2) and Mamba-2 (nemotron_h) under zigzag at W = 2 on packed rows whose document starts differ
 between the ranks (and so do the ranks' pieces), with and without layer checkpointing, through the parallel paths
 (issue #30) and through the serial chain (``EASY_CONTEXT_RECURRENT_SERIAL=1``, issue #49): loss and every full
-gradient equal one process (each document alone) within 1e-5 (fp32); dropping the exchange fails.
+gradient equal one process (each document alone) within 1e-5 (fp32); dropping the exchange fails. And recurrent
+tiles (configure_memory's recurrent_tiles, the one-GPU long-context path) under ZeRO-3 with two data-parallel ranks.
 DeepSpeed on CPU over gloo (first run JIT-builds ~20 s)."""
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def _count_runs(route):
     return runs
 
 
-def _step(rank, world_size, family, ref, ids, pos, tgt, checkpointing="none", steps=1):
+def _step(rank, world_size, family, ref, ids, pos, tgt, checkpointing="none", steps=1, mode="zigzag_ring_attn",
+          tiles=1):
     """(loss summed over ranks, {name: full gradient}) of a ZeRO-3 step of the patched copy of ``ref``: the last of
     ``steps`` (lr 0: every step computes the same; from the second on, DeepSpeed prefetches by its recorded trace)."""
     import deepspeed
@@ -56,18 +58,20 @@ def _step(rank, world_size, family, ref, ids, pos, tgt, checkpointing="none", st
     from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
     from easy_context.memory import causal_lm_loss, configure_memory
     model = copy.deepcopy(ref)
-    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
-    configure_memory(model, checkpointing)
+    apply_seq_parallel_monkey_patch(mode, model)
+    configure_memory(model, checkpointing, recurrent_tiles=tiles)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                       config=DS_CFG)
     assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in engine.module.parameters()), "not partitioned"
-    p = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, pos, tgt, rank, world_size, torch.device("cpu"))
+    sp = mode != "data_parallel"  # data_parallel: this rank's own rows, whole
+    p = (prepare_seq_parallel_inputs(mode, ids, pos, tgt, rank, world_size, torch.device("cpu")) if sp else
+         {"local_input_ids": ids, "local_position_ids": pos, "local_target_ids": tgt})
     for step in range(steps):
         if step:
             engine.step()
         loss = causal_lm_loss(engine.module, p["local_input_ids"], p["local_position_ids"], p["local_target_ids"])
-        engine.backward(loss * world_size)  # ZeRO averages gradients over its (here: the sp) ranks
-    total = loss.detach().clone()
+        engine.backward(loss * world_size)  # ZeRO averages gradients over its ranks (sp or dp)
+    total = loss.detach().clone()  # this rank's NLL over the tokens of every rank: the sum is the global mean
     dist.all_reduce(total)
     grads = {name: safe_get_full_grad(prm) for name, prm in engine.module.named_parameters()}
     engine.destroy()
@@ -128,3 +132,51 @@ def test_serial_chain_under_zero3_w2():
     """The serial chain gathers each recurrent layer once per forward / backward chain (recurrent/zero3.py)."""
     from tests.harness import run_ranks
     run_ranks(_body, world_size=2, args=("serial",), timeout=600)
+
+
+def _tiles_body(rank, world_size):
+    """Two data-parallel ranks, each its own packed rows, ZeRO-3, the recurrent layers in 3 tiles with and without
+    layer checkpointing, two steps: each rank's loss equals its rows' one-process reference, every gathered gradient
+    the token-weighted mean of the two references' (causal_lm_loss divides by the tokens of every rank); the tiles
+    ran."""
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from easy_context.tools.check.rank import packed_positions
+    from tests.hybrid_models import build_hybrid
+    from tests.model_equiv import make_batch, per_document_reference
+    from tests.tols import assert_close
+    runs = _count_runs("serial")
+    tiles = []
+    from easy_context.recurrent import chain
+    counted = chain.chain_forward
+    chain.chain_forward = lambda plan, *a, **k: tiles.append(len(plan.pieces)) or counted(plan, *a, **k)
+    for family in ("qwen3_next", "lfm2", "nemotron_h"):
+        ref = build_hybrid(family)
+        refs = []
+        for r in range(world_size):
+            ids, _, tgt = make_batch(2, 32, ref.config.vocab_size, seed=5 + r)
+            pos = packed_positions(2, 32, seed=3 + r)
+            refs.append((ids, pos, tgt, per_document_reference(copy.deepcopy(ref), ids, pos, tgt)))
+        ids, pos, tgt = refs[rank][:3]
+        w = [int((r[2] != -100).sum()) for r in refs]
+        w = [c / sum(w) for c in w]
+        ref_loss = sum(c * r[3][1] for c, r in zip(w, refs))
+        mean_grads = {n: sum(c * r[3][2][n] for c, r in zip(w, refs)) for n in refs[0][3][2]}
+        for ck in ("none", "layer"):
+            n, tag = runs["n"], f"[zero3 dp tiles=3 {family} checkpointing={ck}]"
+            tiles.clear()
+            loss, grads = _step(rank, world_size, family, ref, ids, pos, tgt, ck, steps=2, mode="data_parallel",
+                                tiles=3)
+            assert runs["n"] > n and tiles and all(t == 3 for t in tiles), f"{tag} the tiles did not run: {tiles}"
+            assert_close(loss, ref_loss, REL, f"{tag} loss")
+            for name, g in grads.items():
+                assert g is not None, f"{tag} no grad for {name}"
+                assert_close(g, mean_grads[name], REL, f"{tag} grad {name}")
+
+
+@pytest.mark.slow
+def test_recurrent_tiles_under_zero3_dp2():
+    """The one-GPU long-context path (recurrent tiles, the chain on one process) under ZeRO-3 with dp = 2: DeepSpeed's
+    per-module gathers pair up across ranks that run the same tiles on different rows."""
+    from tests.harness import run_ranks
+    run_ranks(_tiles_body, world_size=2, timeout=600)

@@ -63,3 +63,28 @@ def test_recurrent_tiles_need_the_patch():
     with pytest.raises(ValueError, match="recurrent_tiles must be >= 1"):
         configure_memory(model, checkpointing="none", recurrent_tiles=0)
     assert configure_memory(model, checkpointing="none").recurrent_tiles == 1
+
+
+def test_a_deep_copy_of_a_patched_model_trains_its_own_layers(monkeypatch):
+    """copy.deepcopy of a patched, tiled model (TRL's reference model, an EMA copy): the copy's recurrent layers run
+    through the copy's context (its position ids, its tiles) on its own parameters; the original gets no gradient."""
+    ref = build_hybrid("qwen3_5")
+    patched = copy.deepcopy(ref)
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", patched)
+    configure_memory(patched, checkpointing="none", recurrent_tiles=3)
+    clone = copy.deepcopy(patched)
+    from easy_context.recurrent import chain
+    seen = []
+    real = chain.chain_forward
+    monkeypatch.setattr(chain, "chain_forward", lambda plan, adapter, layer, *a, **k:
+                        seen.append((len(plan.pieces), layer)) or real(plan, adapter, layer, *a, **k))
+    ids, _, tgt = make_batch(2, L, ref.config.vocab_size, seed=3)
+    pos = _packed(2, L, seed=5)
+    want = per_document_reference(ref, ids, pos, tgt)
+    got = reference_step(clone, ids, pos, tgt)
+    mine = {id(m) for m in clone.modules()}
+    assert seen and all(n == 3 and id(layer) in mine for n, layer in seen), "the copy's layers did not run its tiles"
+    assert all(p.grad is None for p in patched.parameters()), "the copy trained the original's parameters"
+    assert_close(got[1], want[1], 1e-5, "copy loss")
+    for name in want[2]:
+        assert_close(got[2][name], want[2][name], 1e-5, f"copy grad {name}")

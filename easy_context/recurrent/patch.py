@@ -31,6 +31,14 @@ class _Context:
         self.infer = None  # SeqParallelLM's decode handle (inference.py), None in training
         self.tiles = 1  # configure_memory(recurrent_tiles=): the layer's sequence in tiles on one process
 
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(patched model) (TRL's reference model, an EMA copy): the copy's context routes the copy's
+        # layers; process groups and the user's decode handle are shared, the call state starts empty
+        import copy
+        new = memo[id(self)] = _Context(self.mode, self._groups, self.require_table)
+        new.tiles, new.layers, new.hook = self.tiles, copy.deepcopy(self.layers, memo), copy.deepcopy(self.hook, memo)
+        return new
+
     def groups(self) -> dict:
         if "ring_degree" in self._groups:  # no process group at patch time: built now, collectively
             from ..parallel_layout import ParallelLayout
@@ -50,17 +58,33 @@ class _Context:
         return plan
 
 
-def _record_positions(ctx):
-    from ..dispatch.table import table_of
+class _RecordPositions:
+    """The base model's forward pre-hook: the current call's position ids (and dispatch table) into ``ctx``. An
+    object, not a closure, so that a deep copy of the model records into the copy's context."""
 
-    def hook(module, args, kwargs):
-        ctx.position_ids = kwargs.get("position_ids")
-        ctx.dispatch = table_of(kwargs, ctx.mode)
-    return hook
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def __call__(self, module, args, kwargs):
+        from ..dispatch.table import table_of
+        self.ctx.position_ids = kwargs.get("position_ids")
+        self.ctx.dispatch = table_of(kwargs, self.ctx.mode)
 
 
-def _forward_for(ctx, layer, adapter):
-    def forward(hidden_states, *args, cache=None, attention_mask=None, **kwargs):
+class _RoutedForward:
+    """A patched recurrent layer's instance ``forward``: the layer through the chain. An object holding its layer
+    and context (a closure would survive copy.deepcopy still bound to the original layer: the copy would train
+    the original's parameters)."""
+
+    def __init__(self, ctx, layer, adapter):
+        self.ctx, self.layer, self.adapter = ctx, layer, adapter
+
+    def __deepcopy__(self, memo):
+        import copy
+        return _RoutedForward(copy.deepcopy(self.ctx, memo), copy.deepcopy(self.layer, memo), self.adapter)
+
+    def __call__(self, hidden_states, *args, cache=None, attention_mask=None, **kwargs):
+        ctx, layer = self.ctx, self.layer
         has_cache = cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("cache_params") is not None
         padded = attention_mask is not None and not bool(attention_mask.bool().all())
         if (has_cache or padded) and not ctx.mode.is_parallel:  # one process, generation: the layer as it is
@@ -68,14 +92,13 @@ def _forward_for(ctx, layer, adapter):
         if has_cache:
             raise ValueError(f"{ctx.mode.name}: a cache is not supported in the sequence-parallel recurrent layers; "
                              "call the model with use_cache=False")
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
+        if padded:
             raise ValueError(f"{ctx.mode.name}: padding (attention_mask with zeros) is not supported in the "
                              "sequence-parallel recurrent layers; pack documents and mark them with position_ids")
         if ctx.infer is not None:  # SeqParallelLM: forward / prefill / decode (inference.py)
             return ctx.infer.run(ctx, layer, hidden_states)
         plan = ctx.plan(hidden_states.shape[0], hidden_states.shape[1])
-        return run_layer(plan, adapter, layer, hidden_states, ctx.tiles)
-    return forward
+        return run_layer(plan, self.adapter, layer, hidden_states, ctx.tiles)
 
 
 def _unpatch(model) -> None:
@@ -104,9 +127,9 @@ def apply(mode, model, groups: dict, require_table: bool = False) -> None:
         return
     ctx = _Context(mode, dict(groups), require_table)
     base = getattr(model, "base_model", model)
-    ctx.hook = base.register_forward_pre_hook(_record_positions(ctx), with_kwargs=True)
+    ctx.hook = base.register_forward_pre_hook(_RecordPositions(ctx), with_kwargs=True)
     for _, layer in layers:
-        layer.forward = _forward_for(ctx, layer, get_adapter(layer))
+        layer.forward = _RoutedForward(ctx, layer, get_adapter(layer))
         ctx.layers.append(layer)
     setattr(model, _ATTR, ctx)
 
