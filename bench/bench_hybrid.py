@@ -191,7 +191,7 @@ def qwen35_config(layers: int, attention_only: bool, tiny: bool = False):
 
 
 def model_rows(lengths, layers, device, steps, checkpointing, tiny, tiles=1, stacks=("hybrid", "attention"),
-               warmup=1):
+               warmup=1, lean_norm=True):
     """Rows of --model: the hybrid stack and its attention-only twin, fwd+bwd of one step at each length."""
     from bench.llama7b import build_model, one_rank_group
     from easy_context import apply_seq_parallel_monkey_patch
@@ -210,8 +210,8 @@ def model_rows(lengths, layers, device, steps, checkpointing, tiny, tiles=1, sta
             model.config.model_type = "qwen3"  # refusal of unknown recurrent layers reads (recurrent/detect.py)
         apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
         for L in lengths:
-            configure_memory(model, checkpointing=checkpointing, tiled_mlp=L >= 262144,
-                             recurrent_tiles=tiles if which == "hybrid" else 1)
+            configure_memory(model, checkpointing=checkpointing, tiled_mlp=L >= 262144, lean_norm=lean_norm,
+                             recurrent_tiles=tiles if which == "hybrid" else 1)  # lean norms: train.py's default
             ids = torch.randint(0, model.config.vocab_size, (1, L + 1), device=device)
             pos = torch.arange(L, device=device)[None]
 
@@ -269,6 +269,8 @@ def main(argv=None):
     p.add_argument("--stacks", nargs="+", default=["hybrid", "attention"], choices=["hybrid", "attention"],
                    help="--model: which of the pair to run")
     p.add_argument("--warmup", type=int, default=1, help="--model: untimed steps first")
+    p.add_argument("--lean-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="--model: lean RMSNorms (train.py's --fused-ops default); --no-lean-norm: HF's")
     args = p.parse_args(argv)
     from bench.common import env_line, table
     if args.tiny:
@@ -283,10 +285,10 @@ def main(argv=None):
     size = args.size or ("real" if device.type == "cuda" else "small")
     if args.model:
         mrows = model_rows(args.lengths, args.model_layers, device, args.steps, args.checkpointing, args.tiny,
-                           args.recurrent_tiles, args.stacks, args.warmup)
+                           args.recurrent_tiles, args.stacks, args.warmup, args.lean_norm)
         print(env_line() + f"; {args.device}, {dtype}; Qwen3.5-9B widths, {args.model_layers} layers, one training "
               f"step fwd+bwd (chunked loss, checkpointing {args.checkpointing}, tiled MLP from 256K, recurrent tiles "
-              f"{args.recurrent_tiles})")
+              f"{args.recurrent_tiles}, {'lean' if args.lean_norm else 'HF'} norms)")
         print(table(mrows, list(mrows[0])))
         size, args.layers = ("tiny" if args.tiny else "qwen35"), ([] if args.no_layer else ["gated_deltanet"])
         args.length = max(args.lengths) if args.tiny else args.length

@@ -19,6 +19,7 @@ class Family:
     model_types: tuple[str, ...] = ()  # config.model_type values other than ``name``
     recurrent: tuple[str, ...] = ()    # recurrent layer classes (hybrids, issue #30): run by easy_context.recurrent's
     #                                    chain, on model instances only (a family-string patch of a hybrid is refused)
+    norm_plus_one: bool = False  # that class is the (1 + w) form in fp32 (Gemma, Qwen3-Next, Qwen3.5), not w * n
 
 
 _TABLE = (
@@ -31,11 +32,13 @@ _TABLE = (
     Family("qwen3_moe", "Qwen3MoeAttention"),
     Family("phi3", "Phi3Attention"),                  # fused qkv_proj / gate_up_proj
     Family("olmo2", "Olmo2Attention"),                # q/k norms over all heads
-    Family("gemma3", "Gemma3Attention", model_types=("gemma3_text",)),  # (1 + w) norms: HF's own
+    Family("gemma3", "Gemma3Attention", "Gemma3RMSNorm", model_types=("gemma3_text",), norm_plus_one=True),
     # hybrids: softmax layers as above; the linear / conv layers through easy_context/recurrent (docs/hybrid.md)
-    Family("qwen3_next", "Qwen3NextAttention", recurrent=("Qwen3NextGatedDeltaNet",)),  # gated DeltaNet + MoE
-    Family("qwen3_5", "Qwen3_5Attention", model_types=("qwen3_5_text",), recurrent=("Qwen3_5GatedDeltaNet",)),
-    Family("lfm2", "Lfm2Attention", recurrent=("Lfm2ShortConv",)),                     # short convolutions
+    Family("qwen3_next", "Qwen3NextAttention", "Qwen3NextRMSNorm", norm_plus_one=True,
+           recurrent=("Qwen3NextGatedDeltaNet",)),  # gated DeltaNet + MoE
+    Family("qwen3_5", "Qwen3_5Attention", "Qwen3_5RMSNorm", model_types=("qwen3_5_text",), norm_plus_one=True,
+           recurrent=("Qwen3_5GatedDeltaNet",)),
+    Family("lfm2", "Lfm2Attention", "Lfm2RMSNorm", recurrent=("Lfm2ShortConv",)),  # short convolutions
 )
 # Hybrid Mamba-2 models (issue #30): the softmax layers as above, the Mamba-2 mixers run by
 # easy_context/recurrent/mamba2.py. falcon_h1 runs attention and a mixer side by side in every layer.
@@ -47,6 +50,7 @@ _TABLE += (
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in _TABLE}
 NORM_CLASSES: tuple[str, ...] = tuple(f.norm for f in _TABLE if f.norm)
+PLUS_ONE_NORMS: tuple[str, ...] = tuple(f.norm for f in _TABLE if f.norm and f.norm_plus_one)
 ROPE_ATTENTIONS: tuple[str, ...] = tuple(f.attention for f in _TABLE if f.fused_rope)
 
 
@@ -58,4 +62,4 @@ def family_of_model_type(model_type: str | None) -> str | None:
     return None
 
 
-__all__ = ["Family", "FAMILIES", "NORM_CLASSES", "ROPE_ATTENTIONS", "family_of_model_type"]
+__all__ = ["Family", "FAMILIES", "NORM_CLASSES", "PLUS_ONE_NORMS", "ROPE_ATTENTIONS", "family_of_model_type"]

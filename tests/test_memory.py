@@ -157,14 +157,22 @@ def test_tiled_mlp_exact_and_keeps_state_dict_keys():
     assert type(mlp) is LlamaMLP
 
 
+_NORMS = [("llama", "LlamaRMSNorm"), ("lfm2", "Lfm2RMSNorm"), ("qwen3_5", "Qwen3_5RMSNorm"),
+          ("qwen3_next", "Qwen3NextRMSNorm"), ("gemma3", "Gemma3RMSNorm")]  # the last three: the (1 + w) form
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lean_rmsnorm_matches_hf(dtype):
+@pytest.mark.parametrize("module,name", _NORMS)
+def test_lean_rmsnorm_matches_hf(dtype, module, name):
+    import importlib
+
     from easy_context.ops.lean_norm import lean_norm, unlean_norm
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
     torch.manual_seed(0)
-    norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    norm = cls(64, eps=1e-5).to(dtype)
     with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
+        norm.weight.uniform_(-0.5, 0.5) if float(norm.weight.detach().float().abs().sum()) == 0 else \
+            norm.weight.uniform_(0.5, 1.5)  # (1 + w) norms start at w = 0
     x = torch.randn(2, 9, 64, dtype=dtype, requires_grad=True)
     dy = torch.randn(2, 9, 64, dtype=dtype)
     ref = norm(x)
@@ -172,13 +180,37 @@ def test_lean_rmsnorm_matches_hf(dtype):
     ref_g = (x.grad.clone(), norm.weight.grad.clone())
     x.grad = norm.weight.grad = None
     lean_norm(norm)
-    out = norm(x)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = norm(x)
     out.backward(dy)
     assert torch.equal(out, ref), "forward must be bit-identical"
+    assert not any(t.dtype == torch.float32 and t.shape == x.shape for t in saved if dtype != torch.float32), \
+        "the lean norm kept an fp32 copy of its input"
     rel = REL if dtype == torch.float32 else 2e-2
     assert_close(x.grad, ref_g[0], rel, "d x")
     assert_close(norm.weight.grad, ref_g[1], rel, "d weight")
-    assert type(unlean_norm(norm)) is LlamaRMSNorm
+    assert type(unlean_norm(norm)) is cls
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "lfm2", "gemma3"])
+def test_lean_norms_exact_on_hybrid_and_plus_one_families(family):
+    """configure_memory(lean_norm=True) on the families whose norms joined (Qwen3.5 / Qwen3-Next / Gemma 3: the
+    (1 + w) form; LFM2): every RMSNorm of the model swapped, loss and every gradient equal the plain model's."""
+    from easy_context.ops.lean_norm import LeanRMSNormMixin
+    from tests.hybrid_models import build_hybrid
+    ref = build_model(family) if family == "gemma3" else build_hybrid(family)
+    model = copy.deepcopy(ref)
+    ids, pos, tgt = make_batch(2, 24, ref.config.vocab_size)
+    _, ref_loss, ref_grads = reference_step(ref, ids, pos, tgt)
+    configure_memory(model, "layer", lean_norm=True)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") or isinstance(m, LeanRMSNormMixin)]
+    assert norms and all(isinstance(m, LeanRMSNormMixin) for m in norms), \
+        [type(m).__name__ for m in norms if not isinstance(m, LeanRMSNormMixin)]
+    _, loss, grads = reference_step(model, ids, pos, tgt)
+    assert_close(loss, ref_loss, REL, f"{family} loss")
+    for name, g in grads.items():
+        assert_close(g, ref_grads[name], REL, f"{family} grad {name}")
 
 
 def test_configure_memory_validation():

@@ -68,6 +68,33 @@ def test_rms_norm_matches_hf(chunk_rows, monkeypatch):
     assert_close(dw, rdw, rel=1e-6, name="dw")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused (compiled) kernel runs on CUDA"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plus_one_rms_norm_matches_hf(device, dtype, monkeypatch):
+    """The (1 + w) form (Qwen3.5 / Qwen3-Next / Gemma): eager row chunks on CPU, the compiled kernel on CUDA."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+    orig = rms_norm.row_chunks
+    monkeypatch.setattr(rms_norm, "row_chunks", lambda n, d: orig(n, d, 5 * d))
+    g = torch.Generator().manual_seed(1)
+    norm = Qwen3_5RMSNorm(256, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(256, generator=g))
+    norm = norm.to(device, dtype)
+    x = torch.randn(2, 13, 256, generator=g).to(device, dtype).requires_grad_()
+    dy = torch.randn(2, 13, 256, generator=g).to(device, dtype)
+    ref = norm(x)
+    rdx, rdw = torch.autograd.grad(ref, (x, norm.weight), dy)
+    out = RMSNormFunction.apply(x, norm.weight, norm.eps, True)
+    dx, dw = torch.autograd.grad(out, (x, norm.weight), dy)
+    if device == "cpu":
+        assert torch.equal(out, ref)  # eager forward: same ops in the same order
+    rel = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output / of the input gradient
+    assert_close(out, ref, rel=rel, name="y")
+    assert_close(dx, rdx, rel=rel, name="dx")
+    assert_close(dw, rdw, rel=rel, name="dw")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_apply_fused_ops_is_exact_and_reversible(family):
     torch.manual_seed(0)

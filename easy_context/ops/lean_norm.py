@@ -10,7 +10,9 @@ sequence either). Eager forward values are bit-identical to HF's (same ops in th
 kernel and the gradients agree to rounding (fp32 math, fp32 weight-gradient reduction).
 
 Attached by swapping the norm instance's class for a dynamic subclass (parameter names unchanged), only
-for the known HF classes whose forward is ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)``.
+for the known HF classes whose forward is ``weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)``, or
+(``families.PLUS_ONE_NORMS``: Gemma 3, Qwen3-Next, Qwen3.5) ``(x.float() * rsqrt(...) * (1 + weight.float())).to(x.dtype)``
+— the fp32 upcasts of those are the largest item of a Qwen3.5 layer's recompute working set.
 """
 from __future__ import annotations
 
@@ -18,14 +20,18 @@ import torch
 from torch import nn
 
 from ..families import NORM_CLASSES as KNOWN  # one record per family
+from ..families import PLUS_ONE_NORMS
 from .rms_norm import RMSNormFunction
 
 
 class LeanRMSNormMixin:
+    _plus_one = False
+
     def forward(self, hidden_states):
         if not torch.is_grad_enabled():
             return super().forward(hidden_states)
-        return RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+        eps = self.eps if self._plus_one else self.variance_epsilon
+        return RMSNormFunction.apply(hidden_states, self.weight, eps, self._plus_one)
 
 
 _CLASSES: dict[type, type] = {}
@@ -38,7 +44,8 @@ def lean_norm(norm: nn.Module) -> nn.Module:
     if cls.__name__ not in KNOWN:
         raise ValueError(f"lean RMSNorm supports {KNOWN}; got {cls.__name__}")
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Lean{cls.__name__}", (LeanRMSNormMixin, cls), {"__module__": __name__})
+        _CLASSES[cls] = type(f"Lean{cls.__name__}", (LeanRMSNormMixin, cls),
+                             {"__module__": __name__, "_plus_one": cls.__name__ in PLUS_ONE_NORMS})
     norm.__class__ = _CLASSES[cls]
     return norm
 
