@@ -37,6 +37,23 @@ def test_memory_bench_code_paths_run_on_cpu(flags):
         assert "| ours | 1024 | 2 |  | 2 | ok |" in r.stdout and "layers: 1" in r.stdout, r.stdout[-2000:]
 
 
+@pytest.mark.slow
+def test_qwen35_census_sees_the_norms_lean_norms_remove():
+    """bench/trace_memory_qwen35.py: with HF's (1 + w) norms their fp32 copies are live at the peak; lean, none."""
+    import subprocess
+    import sys
+    out = {}
+    for flag in ("--lean-norm", "--no-lean-norm"):
+        r = subprocess.run([sys.executable, "bench/trace_memory_qwen35.py", "--length", "256", "--top", "40", flag],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        out[flag] = r.stdout
+    assert "q_norm:_to_copy" in out["--no-lean-norm"], out["--no-lean-norm"]
+    assert "norm:_to_copy" not in out["--lean-norm"], out["--lean-norm"]
+    kb = {f: float(o.split(" MiB = ")[1].split(" KB/token")[0]) for f, o in out.items()}
+    assert kb["--lean-norm"] < kb["--no-lean-norm"], kb
+
+
 def test_storage_census_counts_live_bytes_at_the_peak():
     """bench/trace_memory.py's census: views are free, freed storages leave, the peak's live set is kept."""
     import torch
