@@ -2,8 +2,9 @@
 
 Adding a family is one entry here (plus a tiny config in tests/model_equiv.py). The SP attention needs nothing
 per family (every listed attention class dispatches through transformers' ``ALL_ATTENTION_FUNCTIONS``); the
-entry names the attention class for the family-string patch and, when the family's RMSNorm / RoPE are the plain
-Llama ones, opts it into the lean norm (``ops/lean_norm.py``) and the fused RoPE (``ops/rope.py``).
+entry names the attention class for the family-string patch and, when the family's RMSNorm is the Llama form or
+the (1 + w) fp32 form and its RoPE the plain Llama one, opts it into the lean norm (``ops/lean_norm.py``) and the
+fused RoPE (``ops/rope.py``).
 """
 from __future__ import annotations
 
