@@ -118,7 +118,8 @@ def apply_auto_checkpointing(model, args, layout, accelerator, head_chunks="auto
     try:
         choice, _ = auto_checkpointing(model, tokens, gpu_budget=gpu, host_budget=host, tiled_mlp=args.tiled_mlp,
                                        lean_norm=False, margin=MARGIN if args.auto_margin is None else args.auto_margin,
-                                       head_chunks=head_chunks, recurrent_tiles=getattr(args, "recurrent_tiles", None) or "auto")
+                                       head_chunks=head_chunks,
+                                       recurrent_tiles=getattr(args, "recurrent_tiles", None) or "auto")
     except ValueError as e:  # the same numbers on every rank: every rank fails alike
         why = str(e).removeprefix("auto checkpointing: ").replace("checkpointing='nested'", "--checkpointing nested")
         raise UsageError(f"--checkpointing auto: {why}") from None

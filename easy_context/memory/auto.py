@@ -88,8 +88,8 @@ def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, tile
     attn = shape.attn_layers
     recurrent = max((recurrent_layer_bytes(r, shape, T) for r in shape.recurrent), default=0.0)
     ws_attn = attn_working_set(shape, kernel, "offload", T, n)
-    for tiles in sorted(tiles):  # the fewest recurrent tiles that fit (each costs a forward of those layers)
-        work = max(ws_attn, recurrent / tiles) + (k - 1) * (inp + out)
+    for n_tiles in sorted(tiles):  # the fewest recurrent tiles that fit (each costs a forward of those layers)
+        work = max(ws_attn, recurrent / n_tiles) + (k - 1) * (inp + out)
         room = gpu_budget * (1 - margin) - work
         if room >= 0:
             break
@@ -108,7 +108,7 @@ def _choose(shape, tokens, gpu_budget, host_budget, kernel, gpu, margin, n, tile
         less = attn_working_set(shape, kernel, "offload", T) - attn_working_set(shape, kernel, "offload", T, n)
         why += f" (attention in {n} head groups: {less / GiB:.1f} GiB less working set)"
     return CheckpointChoice(k, layers, math.ceil(layers_n / k) * inp, s * out + (k - 1) * (inp + out), s * t_fwd,
-                            why, n, tiles)
+                            why, n, n_tiles)
 
 
 def _host_available() -> float:

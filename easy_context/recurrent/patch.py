@@ -85,7 +85,7 @@ class _RoutedForward:
 
     def __call__(self, hidden_states, *args, cache=None, attention_mask=None, **kwargs):
         ctx, layer = self.ctx, self.layer
-        has_cache = cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("cache_params") is not None
+        has_cache = cache is not None or any(kwargs.get(k) is not None for k in ("past_key_values", "cache_params"))
         padded = attention_mask is not None and not bool(attention_mask.bool().all())
         if (has_cache or padded) and not ctx.mode.is_parallel:  # one process, generation: the layer as it is
             return type(layer).forward(layer, hidden_states, *args, cache=cache, attention_mask=attention_mask, **kwargs)
