@@ -7,8 +7,14 @@ under packing in every mode. For such a family (``LAYER_CLASSES`` names its deco
 pre-hook on the base model keeps the call's position ids and a pre-hook on each decoder layer passes them on
 in its kwargs, which the layer forwards to the attention (and the mixer). Per model instance; ``data_parallel``
 removes the hooks.
+
+Every other model gets the same pair of hooks on its attention layers (``hf.route.attention_layers``) that take
+``**kwargs``: a decoder layer that drops the position ids (Llama 4's) would otherwise hand its attention none, and
+packed rows would silently be one document. A call that already carries them is left as it is.
 """
 from __future__ import annotations
+
+import inspect
 
 _ATTR = "_easy_context_layer_positions"
 # family -> its decoder layer class, called by the model without position_ids
@@ -16,14 +22,17 @@ LAYER_CLASSES = {"granitemoehybrid": "GraniteMoeHybridDecoderLayer"}
 KEYS = ("position_ids", "sp_dispatch")  # the positions and the packed rows' table (dispatch.DISPATCH_KWARG)
 
 
-def apply(mode, model, family: str | None) -> None:
+def apply(mode, model, family: str | None, attention_modules=()) -> None:
+    """``attention_modules``: the model's attention layers (hf/route.attention_layers, found by the caller)."""
     for handle in getattr(model, _ATTR, ()):
         handle.remove()
     if hasattr(model, _ATTR):
         delattr(model, _ATTR)
     layer_class = LAYER_CLASSES.get(family)
-    if not mode.is_parallel or layer_class is None:
+    if not mode.is_parallel:
         return
+    targets = [m for m in model.modules() if type(m).__name__ == layer_class]
+    targets += [m for m in attention_modules if _takes_kwargs(m)]
     seen: dict = {}
 
     def record(module, args, kwargs):
@@ -38,9 +47,18 @@ def apply(mode, model, family: str | None) -> None:
 
     base = getattr(model, "base_model", model)
     handles = [base.register_forward_pre_hook(record, with_kwargs=True)]
-    handles += [m.register_forward_pre_hook(inject, with_kwargs=True) for m in model.modules()
-                if type(m).__name__ == layer_class]
+    handles += [m.register_forward_pre_hook(inject, with_kwargs=True) for m in targets]
     setattr(model, _ATTR, handles)
+
+
+def _takes_kwargs(module) -> bool:
+    """The forward passes unnamed kwargs on (to the attention interface) and names none of ``KEYS`` itself."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            and not any(k in params for k in KEYS))
 
 
 __all__ = ["apply"]

@@ -147,6 +147,26 @@ class Documents:
         hit = self._windowed.get(window)
         if hit is None:
             hit = self._windowed[window] = Documents(self.doc_ids, window, self.dispatch)
+            hit.packed = self.packed  # chunk-cut documents keep the layout flag of the cut (with_chunks)
+        return hit
+
+    def with_chunks(self, chunk: int) -> "Documents":
+        """The same rows with every document also cut where its position is a multiple of ``chunk`` (Llama 4's
+        chunked local attention, each document as if alone: its chunks start at its own position 0). The layout
+        flags (``packed``, ``dispatch``) stay those of the cut: chunks change the mask, not how the row was sharded."""
+        if chunk >= self.length:
+            return self
+        key = ("chunks", chunk)
+        hit = self._windowed.get(key)
+        if hit is None:
+            new_doc = torch.ones_like(self.doc_ids, dtype=torch.bool)
+            new_doc[:, 1:] = self.doc_ids[:, 1:] != self.doc_ids[:, :-1]
+            idx = torch.arange(self.length).expand_as(self.doc_ids)
+            start = torch.cummax(torch.where(new_doc, idx, torch.zeros_like(idx)), dim=1).values
+            cut = new_doc | ((idx - start) % chunk == 0)
+            hit = Documents(torch.cumsum(cut.long(), dim=1) - 1, self.window, self.dispatch)
+            hit.packed = self.packed
+            self._windowed[key] = hit
         return hit
 
     @property

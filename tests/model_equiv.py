@@ -38,6 +38,25 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
                attention_dropout=0.0, tie_word_embeddings=False)
 
 
+# Families whose attention call carries more than q/k/v (issue #59), tiny and with every feature live at 32 tokens:
+# gpt-oss (per-head sinks, sliding window 8 on alternate layers), DeepSeek-V3 (MLA: q/k head dim 24, values 12),
+# Llama 4 (chunks of 8 on its RoPE layers, NoPE layers with q temperature from index 7 on), EXAONE 4 (3 sliding : 1
+# global, whose module also carries the window).
+CONTRACT_FAMILIES = {
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                     num_hidden_layers=2, rope_parameters=None)),
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+                                             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                             kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=16, v_head_dim=12)),
+    "llama4_text": ("Llama4TextConfig", dict(head_dim=16, num_hidden_layers=4, intermediate_size_mlp=128,
+                                             num_local_experts=2, attention_chunk_size=8, floor_scale=8,
+                                             attn_scale=0.1)),
+    "exaone4": ("Exaone4Config", dict(head_dim=16, num_hidden_layers=4, sliding_window=8, sliding_window_pattern=4)),
+}
+EAGER_FAMILIES = ("gpt_oss",)  # no SDPA in transformers: the reference runs eager
+
+
 def make_config(family: str, **overrides):
     """A tiny float32 config for ``family`` (mistral/qwen2 with full attention, no sliding window)."""
     import transformers as tf
@@ -70,6 +89,10 @@ def make_config(family: str, **overrides):
         cls = tf.Gemma3TextConfig
         kw.update(head_dim=16, sliding_window=4096, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
                   pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    elif family in CONTRACT_FAMILIES:  # issue #59: sinks, MLA, chunked attention, sliding:global layers
+        cls, extra = CONTRACT_FAMILIES[family]
+        kw = dict(_COMMON, **extra)
+        cls = getattr(tf, cls)
     else:
         from tests.hybrid_models import MAMBA2, SUPPORTED, make_hybrid_config  # softmax + recurrent hybrids (issue #30)
         if family in SUPPORTED + MAMBA2:
@@ -86,6 +109,8 @@ def build_model(family: str, seed: int = 0, attn_implementation: str = "sdpa", *
     if family in SUPPORTED + MAMBA2:  # softmax + recurrent hybrids (issue #30)
         return build_hybrid(family, seed, attn_implementation, **overrides)
     torch.manual_seed(seed)
+    if family in EAGER_FAMILIES:
+        attn_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(make_config(family, **overrides), dtype=torch.float32,
                                                 attn_implementation=attn_implementation)
     return model.float().train()

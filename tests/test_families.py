@@ -19,19 +19,17 @@ DOCS = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 1, 2, 3, 4,
 def _refusals(rank, world_size):
     import transformers as tf
 
-    from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
+    from easy_context import apply_seq_parallel_monkey_patch
     from tests.model_equiv import build_model
     torch.manual_seed(0)
     gemma2 = tf.Gemma2ForCausalLM(tf.Gemma2Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=128, attn_logit_softcapping=50.0, sliding_window=4096)).float()
-    for model, match in ((gemma2, r"attn_logit_softcapping=50.0\) is not supported"),):
-        apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
-        p = prepare_seq_parallel_inputs("zigzag_ring_attn", torch.randint(0, 128, (1, 32)),
-                                        torch.arange(32)[None], torch.zeros(1, 32, dtype=torch.long), rank,
-                                        world_size, torch.device("cpu"))
+    # refused when patched (issue #59: known from the config, before any collective)
+    for model, match in ((gemma2, r"gemma2 layer 0 \(Gemma2Attention\) passes attention logit soft-capping "
+                                  r"\(config.attn_logit_softcapping=50.0\)"),):
         with pytest.raises(ValueError, match=match):
-            model(p["local_input_ids"], position_ids=p["local_position_ids"], use_cache=False)
+            apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
 
 
 def _w2(rank, world_size):

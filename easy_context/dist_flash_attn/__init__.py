@@ -14,16 +14,17 @@ __getattr__ = lazy_attrs(__name__, {
     **dict.fromkeys(("Block", "block_plan", "num_steps", "work_counts"), ".schedule")})
 
 
-def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None):
+def dist_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None, sinks=None):
     """flash_attn_func-style entry: local (B, S_local, H, D) shards in, local output out (GQA k/v allowed).
 
     Differentiable; runs under ``torch.inference_mode()``/``no_grad`` as a plain forward. ``group=None``
     is the world group. Raises ValueError (before any communication) for causal=False, dropout, odd W
     or mismatched shapes. ``docs``: packed documents of the whole sequence (``easy_context.packing``).
+    ``sinks``: (heads,) attention-sink logits (gpt-oss), joining every row's softmax denominator.
     """
     from .attention import check_inputs, dist_flash_attn
     check_inputs(q, k, v, dropout_p, causal, group)
-    return dist_flash_attn(q, k, v, softmax_scale, group, docs=docs)
+    return dist_flash_attn(q, k, v, softmax_scale, group, docs=docs, sinks=sinks)
 
 
 # Selective checkpointing may keep only (out, lse) of this attention and replay them in recomputation.

@@ -274,22 +274,23 @@ def _forward_cached(q, k, v, softmax_scale, group, backend, docs=None):
 
 class DistFlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, group, backend, docs=None):
-        out, lse = _forward_cached(q, k, v, softmax_scale, group, backend, docs)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, softmax_scale, group, backend, docs=None, sinks=None):
+        out, lse = kernels.fold_sinks(*_forward_cached(q, k, v, softmax_scale, group, backend, docs), sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.softmax_scale, ctx.group, ctx.backend, ctx.docs = softmax_scale, group, backend, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = dist_flash_attn_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.group,
                                               ctx.backend, ctx.docs)
-        return dq, dk, dv, None, None, None, None
+        dsinks = None if sinks is None else kernels.sinks_grad(dout, out, lse, sinks)
+        return dq, dk, dv, None, None, None, None, dsinks
 
 
-def dist_flash_attn(q, k, v, softmax_scale=None, group=None, backend=None, docs=None):
+def dist_flash_attn(q, k, v, softmax_scale=None, group=None, backend=None, docs=None, sinks=None):
     """Differentiable when grads are needed; a plain forward otherwise (inference_mode, no_grad)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return DistFlashAttnFunc.apply(q, k, v, softmax_scale, group, backend, docs)
-    return _forward_cached(q, k, v, softmax_scale, group, backend, docs)[0]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        return DistFlashAttnFunc.apply(q, k, v, softmax_scale, group, backend, docs, sinks)
+    return kernels.fold_sinks(*_forward_cached(q, k, v, softmax_scale, group, backend, docs), sinks)[0]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..mode import Mode
+from .contract import AttentionContractError, check_call, layer_mask, where
+
+_UNSET = object()  # the call did not name sliding_window (as opposed to passing None: a global layer)
 
 
 class _Groups:
@@ -92,36 +95,84 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, require_table:
     state: dict = {}
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                  sliding_window=None, **kwargs):
+                  sliding_window=_UNSET, **kwargs):
         # query (B, Hq, S, D), key/value (B, Hkv, S, D): kv heads are not repeated (GQA stays on the wire).
+        from ..dispatch.table import DISPATCH_KWARG, table_of
+        check_call(mode.name, module, attention_mask, kwargs, allowed=(DISPATCH_KWARG,))
+        window, chunk = layer_mask(mode.name, module, None if sliding_window is _UNSET else sliding_window,
+                                   passed=sliding_window is not _UNSET)
         groups = bound.get()
         _check_layout(mode, bound, state, kwargs.get("position_ids"))
-        if kwargs.get("softcap") is not None:  # Gemma 2's attn_logit_softcapping: no ring kernel applies it
-            raise ValueError(f"{mode.name}: attention logit soft-capping (config.attn_logit_softcapping="
-                             f"{kwargs['softcap']}) is not supported by the sequence-parallel kernels; setting it "
-                             "to None gives a different model, so this family cannot be trained exactly here")
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            raise ValueError(f"{mode.name}: a KV cache is not supported inside sequence-parallel attention; "
-                             "call the model with use_cache=False")
-        if sliding_window is None:  # Qwen2-MoE (transformers 5.24) keeps its window on the module and windows
-            sliding_window = getattr(module, "sliding_window", None)  # through the mask only, never in the call
-        from ..dispatch.table import table_of
         docs = _documents(mode, groups, state, kwargs.get("position_ids"), table_of(kwargs, mode), require_table)
         length = query.shape[2] * _sp_size(mode, groups)
-        if sliding_window is not None and sliding_window < length:  # a local layer: same blocks, windowed
+        if (window is not None and window < length) or (chunk is not None and chunk < length):
             docs = _one_document(state, query.shape[0], length) if docs is None else docs
-            docs = docs.with_window(sliding_window)
+            docs = docs.with_chunks(chunk) if chunk is not None and chunk < length else docs
+            docs = docs.with_window(window)  # a local layer: same blocks, windowed
+        query = temperature_tuned(mode.name, module, query, kwargs.get("position_ids"), length)
+        sinks = _sinks(mode.name, module, kwargs.get("s_aux"), query.shape[1])
         extra = {"docs": docs} if docs is not None else {}
+        if sinks is not None:
+            extra["sinks"] = sinks
         if not (query.dtype == key.dtype == value.dtype):  # autocast: RoPE's fp32 cos/sin promote q and k only;
             dt = (torch.get_autocast_dtype(query.device.type)  # SDPA would cast all three to the autocast dtype
                   if torch.is_autocast_enabled(query.device.type) else value.dtype)
             query, key, value = query.to(dt), key.to(dt), value.to(dt)
+        query, key, value, dv = _equal_head_dims(query, key, value)
         out = fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout,
                  softmax_scale=scaling, causal=True, **groups, **extra)
-        return out, None
+        return (out if dv is None else out[..., :dv]), None
 
     attention.mode, attention.seq_algo = mode, mode.name  # seq_algo: the name, as before
     return attention
+
+
+def _sinks(mode_name, module, s_aux, heads: int):
+    """gpt-oss' per-head sink logits (``s_aux``), checked against this call's q heads."""
+    if s_aux is None:
+        return None
+    if s_aux.dim() != 1 or s_aux.shape[0] != heads:
+        raise AttentionContractError(
+            f"{mode_name}: {where(module)} passes attention sinks of shape {tuple(s_aux.shape)} for {heads} q heads; "
+            "sinks must be one logit per q head (head-chunked attention, memory/head_chunks, does not slice them: "
+            "turn head chunks off for this model)")
+    return s_aux
+
+
+def _equal_head_dims(query, key, value):
+    """MLA (DeepSeek-V2/V3, Kimi): the value head dim differs from q/k's. The kernels take one head dim, so the
+    narrower side is zero-padded — exact: zero value columns give zero output columns (sliced off), zero q/k columns
+    add nothing to the scores (the softmax scale is passed explicitly). Costs the padding's memory and FLOPs.
+    Returns (q, k, v, the value dim to slice the output to, or None)."""
+    dq, dv = query.shape[-1], value.shape[-1]
+    if dq == dv:
+        return query, key, value, None
+    import torch.nn.functional as F
+    if dv < dq:
+        return query, key, F.pad(value, (0, dq - dv)), dv
+    return F.pad(query, (0, dv - dq)), F.pad(key, (0, dv - dq)), value, dv
+
+
+def temperature_tuned(mode_name, module, query, position_ids, length: int):
+    """Llama 4's NoPE layers scale q by a function of the token's index, computed by the model from ``arange`` of
+    the rows it holds: under sequence parallelism that is the local index. Rescaled here to the token's position
+    (its index in its document: packed rows are each document as if alone, like the other layers)."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    floor, scale = module.floor_scale, module.attn_scale
+    if length < floor:  # every index below floor_scale - 1: the factor is 1 everywhere
+        return query
+    if position_ids is None:
+        raise AttentionContractError(
+            f"{mode_name}: {where(module)} scales q by the token's index (attn_temperature_tuning) at {length} >= "
+            f"floor_scale={floor} tokens, and the call carries no position_ids to tell this rank's indices: pass "
+            "position_ids (prepare_seq_parallel_inputs' local_position_ids)")
+
+    def factor(idx):
+        return torch.log1p(torch.floor((idx.float() + 1.0) / floor)) * scale + 1.0
+    local = torch.arange(query.shape[2], device=query.device)
+    ratio = factor(position_ids.to(query.device)) / factor(local)  # (B, S): the true factor over the applied one
+    return (query * ratio[:, None, :, None]).to(query.dtype)
 
 
 def _sp_size(mode: Mode, groups) -> int:

@@ -180,15 +180,18 @@ def _patch_instance(mode: Mode, model, groups, require: bool = False):
 
     from ..recurrent.patch import apply as patch_recurrent_layers
     if mode.is_parallel:  # every attention layer through the AttentionInterface, every recurrent one adapted
+        from .contract import check_layers
         from .route import check_routable
         check_routable(model, mode)
+        check_layers(model, mode.name)  # layer types and config features the kernels do not implement
     patch_recurrent_layers(mode, model, groups, require)  # refuses layers it cannot run exactly (issue #30)
     family = getattr(model.config, "model_type", None)
     family = family_of_model_type(family)
     if family in FAMILIES:
         check_transformers_compat(family)
-        from ..layer_positions import apply as pass_positions  # packed documents need them (granitemoehybrid)
-        pass_positions(mode, model, family)
+    from ..layer_positions import apply as pass_positions  # packed documents need them (granitemoehybrid, Llama 4)
+    from .route import attention_layers
+    pass_positions(mode, model, family, [m for _, m in attention_layers(model)] if mode.is_parallel else ())
     if not mode.is_parallel:  # plain attention back
         prev = getattr(model, "_easy_context_prev_attn", None)
         if prev is not None:

@@ -37,7 +37,7 @@ from .backends import (_BACKWARD, _DTYPES, _FORWARD, BACKENDS, ENV_VAR, auto_cud
                        available_backends, choose_backend)
 from .checks import check_qkv
 from .documents import VARLEN, VARLEN_MIN_DOCS, _doc_backward, _doc_forward, _group  # noqa: F401 (tests)
-from .merge import merge_attn_out
+from .merge import fold_sinks, head_scatter, head_slice, merge_attn_out, sinks_grad
 from .reference import attention_reference
 
 
@@ -80,5 +80,5 @@ def attn_backward(dout, q, k, v, out, lse, causal: bool = True, softmax_scale: f
     return bwd(dout, q, k, v, out, lse, causal, scale)
 
 
-__all__ = ["attn_forward", "attn_backward", "merge_attn_out", "attention_reference", "check_qkv", "choose_backend",
-           "available_backends", "auto_cuda_backend", "BACKENDS", "ENV_VAR", "VARLEN", "VARLEN_MIN_DOCS", "fa4"]
+__all__ = ["attn_forward", "attn_backward", "merge_attn_out", "fold_sinks", "sinks_grad", "head_slice", "head_scatter",
+           "attention_reference", "check_qkv", "choose_backend", "available_backends", "auto_cuda_backend", "BACKENDS", "ENV_VAR", "VARLEN", "VARLEN_MIN_DOCS", "fa4"]

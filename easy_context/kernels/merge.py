@@ -37,4 +37,46 @@ def merge_attn_out(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor
     lse_bl.copy_(new_lse)
 
 
-__all__ = ["merge_attn_out"]
+__all__ = ["merge_attn_out", "fold_sinks", "sinks_grad", "head_slice", "head_scatter"]
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):
+    """Attention sinks (gpt-oss ``s_aux``): one learned logit per head that joins every row's softmax denominator and
+    attends to nothing. Folded once into a row's final ``(out, lse)`` (after the ring's merge, whatever the mode):
+    ``lse' = logaddexp(lse, s_h)``, ``out' = out * exp(lse - lse')``. ``out`` (B, L, H, D), ``lse`` fp32 (B, H, L),
+    ``sinks`` (H,) or None (nothing to fold). The sink-inclusive ``(out', lse')`` are what the backward takes: the
+    kernels' backward recomputes P = exp(S - lse') and D = rowsum(dout * out'), which is then exactly the gradient of
+    the softmax over [scores, sink] for q, k and v (the sink's own gradient: ``sinks_grad``)."""
+    if sinks is None:
+        return out, lse
+    s = sinks.detach().to(lse.dtype).view(1, -1, 1)
+    new_lse = torch.logaddexp(lse, s)
+    scale = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1)
+    return (out.to(scale.dtype) * scale).to(out.dtype), new_lse
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks (H,) from this rank's rows, given the sink-inclusive ``out``/``lse`` of ``fold_sinks``: the
+    sink's probability times the row's D, summed over rows with a minus sign (d out'/d s = -p_sink * out')."""
+    acc = torch.float64 if lse.dtype == torch.float64 else torch.float32
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (B, H, L)
+    p_sink = torch.exp(sinks.detach().to(acc).view(1, -1, 1) - lse.to(acc))
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def head_slice(sinks: torch.Tensor | None, world: int, rank: int):
+    """The sinks of the q heads a Ulysses rank holds after the all-to-all (head block ``rank`` of ``world``)."""
+    if sinks is None or world == 1:
+        return sinks
+    h = sinks.shape[0] // world
+    return sinks[rank * h:(rank + 1) * h]
+
+
+def head_scatter(grad: torch.Tensor, full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """A Ulysses rank's sinks gradient (its head block) placed in a zero gradient of every head."""
+    if world == 1:
+        return grad
+    out = torch.zeros_like(full)
+    h = full.shape[0] // world
+    out[rank * h:(rank + 1) * h] = grad
+    return out

@@ -113,8 +113,9 @@ def reduce_kv_grad(dk, rep: int):
 # ----------------------------------------------------------------------------------------------
 # forward / backward / autograd.Function
 # ----------------------------------------------------------------------------------------------
-def head_parallel_forward(q, k, v, rep, world, group, attend):
+def head_parallel_forward(q, k, v, rep, world, group, attend, sinks=None):
     """Ulysses around ``attend(qh, kh, vh) -> (outh, lse)``; returns out and what the backward needs.
+    ``sinks`` (Hq,): folded into this rank's heads after ``attend`` (kernels.fold_sinks).
 
     Selective checkpointing (memory/selective.py) keeps only (outh, lse): in the layer's recomputation the
     recomputed q/k/v are re-sharded (one all-to-all) but ``attend`` — the expensive, possibly ring-
@@ -128,7 +129,7 @@ def head_parallel_forward(q, k, v, rep, world, group, attend):
         # 2. full-sequence attention on those heads
         return attend(*fresh[0])
 
-    outh, lse = cached_attention(compute)
+    outh, lse = kernels.fold_sinks(*cached_attention(compute), head_slice(sinks, world, group))
     qkv = fresh[0] if fresh else seq_to_heads([q, replicate_kv(k, rep), replicate_kv(v, rep)], world, group)
     # 3. back to sequence shards
     (out,) = heads_to_seq([outh], world, group)
@@ -143,14 +144,29 @@ def _full_docs(docs, length):
     return docs.block(idx, idx)
 
 
-def ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group=None, docs=None):
+def head_slice(sinks, world, group):
+    """The sinks of the q heads this rank holds after ``seq_to_heads`` (None: no sinks)."""
+    return kernels.head_slice(sinks, world, group_rank_world(group)[0] if world > 1 else 0)
+
+
+def sinks_grad(douth, saved, sinks, world, group):
+    """(Hq,) gradient of the sinks from this rank's heads (zeros elsewhere; summed over ranks like any weight)."""
+    if sinks is None:
+        return None
+    _, _, _, outh, lse = saved
+    g = kernels.sinks_grad(douth, outh, lse, head_slice(sinks, world, group))
+    return kernels.head_scatter(g, sinks, world, group_rank_world(group)[0] if world > 1 else 0)
+
+
+def ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group=None, docs=None, sinks=None):
     """Returns out (B, S/W, Hq, D) and what the backward needs (head-sharded q/k/v/out and lse).
     ``docs``: packed documents of the sequence (causal within each one)."""
     return head_parallel_forward(q, k, v, rep, world, group, lambda qh, kh, vh: kernels.attn_forward(
-        qh, kh, vh, causal=causal, softmax_scale=softmax_scale, docs=_full_docs(docs, qh.shape[1])))
+        qh, kh, vh, causal=causal, softmax_scale=softmax_scale, docs=_full_docs(docs, qh.shape[1])), sinks)
 
 
-def ulysses_backward(dout, saved, causal, softmax_scale, rep, world, group=None, docs=None):
+def ulysses_backward(dout, saved, causal, softmax_scale, rep, world, group=None, docs=None, sinks=None):
+    """(dq, dk, dv, dsinks) of this rank's shards (dsinks None without sinks)."""
     qh, kh, vh, outh, lse = saved
     # 1. dout to head shards, 2. the kernel's backward on this rank's heads (grads of replicas included)
     (douth,) = seq_to_heads([dout], world, group)
@@ -158,29 +174,30 @@ def ulysses_backward(dout, saved, causal, softmax_scale, rep, world, group=None,
                                           softmax_scale=softmax_scale, docs=_full_docs(docs, qh.shape[1]))
     # 3. one all-to-all back to sequence shards; 4. sum the replicas' kv grads
     dq, dk, dv = heads_to_seq([dqh, dkh, dvh], world, group)
-    return dq, reduce_kv_grad(dk, rep), reduce_kv_grad(dv, rep)
+    return dq, reduce_kv_grad(dk, rep), reduce_kv_grad(dv, rep), sinks_grad(douth, saved, sinks, world, group)
 
 
 class UlyssesAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, rep, group, docs=None):
+    def forward(ctx, q, k, v, causal, softmax_scale, rep, group, docs=None, sinks=None):
         _, world = group_rank_world(group)
-        out, saved = ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group, docs)
-        ctx.save_for_backward(*saved)
+        out, saved = ulysses_forward(q, k, v, causal, softmax_scale, rep, world, group, docs, sinks)
+        ctx.save_for_backward(*saved, sinks)
         ctx.args = (causal, softmax_scale, rep, world, group, docs)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv = ulysses_backward(dout, ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        *saved, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = ulysses_backward(dout, saved, *ctx.args, sinks=sinks)
+        return dq, dk, dv, None, None, None, None, None, dsinks
 
 
-def ulysses_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None):
+def ulysses_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None, sinks=None):
     """Validated entry point (see ``easy_context.ulysses_attn.ulysses_attn_func``)."""
     _, world = group_rank_world(group)
     rep = check_inputs(q, k, v, dropout_p, world)
     if docs is not None and not causal:
         raise ValueError("ulysses_attn_func: packed documents (docs=) are causal within each document; "
                          "pass causal=True")
-    return UlyssesAttnFunc.apply(q, k, v, bool(causal), softmax_scale, rep, group, docs)
+    return UlyssesAttnFunc.apply(q, k, v, bool(causal), softmax_scale, rep, group, docs, sinks)

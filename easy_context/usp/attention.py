@@ -21,7 +21,7 @@ import torch
 
 from ..comm import group_rank_world
 from ..ulysses_attn.attention import check_inputs as check_ulysses, heads_to_seq, reduce_kv_grad
-from ..ulysses_attn.attention import head_parallel_forward, seq_to_heads
+from ..ulysses_attn.attention import head_parallel_forward, seq_to_heads, sinks_grad
 from ..zigzag_ring_attn.attention import zigzag_ring_backward, zigzag_ring_forward
 
 _NO_ULYSSES = None  # with U == 1 the all-to-alls are skipped, so the group is never used
@@ -48,40 +48,42 @@ def check_inputs(q, k, v, dropout_p, causal, ring: int, ulysses: int) -> int:
     return rep
 
 
-def usp_forward(q, k, v, softmax_scale, rep, ring_group, ulysses, ulysses_group, docs=None):
+def usp_forward(q, k, v, softmax_scale, rep, ring_group, ulysses, ulysses_group, docs=None, sinks=None):
     # all-to-all (B, S/(RU), H, D) -> this ring rank's zigzag pair (B, S/R, H/U, D), the zigzag ring over the
     # ring group on those heads, all-to-all back (selective-checkpoint aware: the ring is never rerun)
     return head_parallel_forward(q, k, v, rep, ulysses, ulysses_group, lambda qh, kh, vh: zigzag_ring_forward(
-        qh, kh, vh, softmax_scale, ring_group, docs=docs))
+        qh, kh, vh, softmax_scale, ring_group, docs=docs), sinks)
 
 
-def usp_backward(dout, saved, softmax_scale, rep, ring_group, ulysses, ulysses_group, docs=None):
+def usp_backward(dout, saved, softmax_scale, rep, ring_group, ulysses, ulysses_group, docs=None, sinks=None):
     qh, kh, vh, outh, lse = saved
     (douth,) = seq_to_heads([dout], ulysses, ulysses_group)
     dqh, dkh, dvh = zigzag_ring_backward(douth, qh, kh, vh, outh, lse, softmax_scale, ring_group, docs=docs)
     dq, dk, dv = heads_to_seq([dqh, dkh, dvh], ulysses, ulysses_group)
-    return dq, reduce_kv_grad(dk, rep), reduce_kv_grad(dv, rep)
+    dsinks = sinks_grad(douth, saved, sinks, ulysses, ulysses_group)
+    return dq, reduce_kv_grad(dk, rep), reduce_kv_grad(dv, rep), dsinks
 
 
 class UspAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, rep, ring_group, ulysses, ulysses_group, docs=None):
-        out, saved = usp_forward(q, k, v, softmax_scale, rep, ring_group, ulysses, ulysses_group, docs)
-        ctx.save_for_backward(*saved)
+    def forward(ctx, q, k, v, softmax_scale, rep, ring_group, ulysses, ulysses_group, docs=None, sinks=None):
+        out, saved = usp_forward(q, k, v, softmax_scale, rep, ring_group, ulysses, ulysses_group, docs, sinks)
+        ctx.save_for_backward(*saved, sinks)
         ctx.args = (softmax_scale, rep, ring_group, ulysses, ulysses_group, docs)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv = usp_backward(dout, ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        *saved, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = usp_backward(dout, saved, *ctx.args, sinks=sinks)
+        return dq, dk, dv, None, None, None, None, None, None, dsinks
 
 
 def usp_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, ring_group=None, ulysses_group=None,
-             docs=None):
+             docs=None, sinks=None):
     """Validated entry point (see ``easy_context.usp.usp_attn_func``)."""
     ring_group, ring, ulysses, ulysses_group = resolve_groups(ring_group, ulysses_group)
     rep = check_inputs(q, k, v, dropout_p, causal, ring, ulysses)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return UspAttnFunc.apply(q, k, v, float(softmax_scale), rep, ring_group, ulysses, ulysses_group, docs)
+    return UspAttnFunc.apply(q, k, v, float(softmax_scale), rep, ring_group, ulysses, ulysses_group, docs, sinks)

@@ -9,7 +9,8 @@ __getattr__ = lazy_attrs(__name__, {
     **dict.fromkeys(("seq_multiple", "shard", "unshard"), ".layout")})
 
 
-def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None):
+def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, group=None, docs=None,
+                          sinks=None):
     """Causal attention of this rank's zigzag shard against the whole sequence held by ``group``.
 
     q ``(batch, seq_local, heads, head_dim)``, k/v the same with possibly fewer heads (GQA, never expanded
@@ -20,12 +21,13 @@ def zigzag_ring_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Tru
     for causal attention within each document; the HF patch builds it from ``position_ids`` itself. Packed rows
     (a restart at 0) long enough for it are laid out in the balanced k-pair form of zigzag (``docs.pairs(W)``):
     shard them with ``shard_sequence("zigzag_ring_attn", x, rank, W, positions=global_position_ids)``.
+    ``sinks``: (heads,) attention-sink logits (gpt-oss), one per q head, joining every row's softmax denominator.
     """
     from .attention import ZigzagRingAttnFunc, check_inputs
     check_inputs(q, k, v, dropout_p, causal)  # before any collective
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return ZigzagRingAttnFunc.apply(q, k, v, softmax_scale, group, None, docs)
+    return ZigzagRingAttnFunc.apply(q, k, v, softmax_scale, group, None, docs, sinks)
 
 
 zigzag_ring_attn_func.supports_attention_cache = True  # lean selective checkpointing (memory/selective.py)

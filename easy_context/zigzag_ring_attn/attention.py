@@ -243,18 +243,19 @@ def zigzag_ring_backward(dout, q, k, v, out, lse, softmax_scale: float, group=No
 
 class ZigzagRingAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, group, backend, docs=None):
+    def forward(ctx, q, k, v, softmax_scale, group, backend, docs=None, sinks=None):
         # Under selective checkpointing the layer's recomputation gets (out, lse) back from the cache
         # (no ring traffic) and saves the recomputed q, k, v with them: only out + lse are kept per layer.
         out, lse = cached_attention(lambda: zigzag_ring_forward(q, k, v, softmax_scale, group, backend, docs))
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = kernels.fold_sinks(out, lse, sinks)  # once per row, after the ring's merge
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.softmax_scale, ctx.group, ctx.backend, ctx.docs = softmax_scale, group, backend, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = zigzag_ring_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.group, ctx.backend,
                                           ctx.docs)
-        return dq, dk, dv, None, None, None, None
-
+        dsinks = None if sinks is None else kernels.sinks_grad(dout, out, lse, sinks)
+        return dq, dk, dv, None, None, None, None, dsinks
