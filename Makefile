@@ -16,7 +16,7 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 OPS     := $(VENV)/.ops-built
 
-.PHONY: venv test test-all demo demo-check bench clean
+.PHONY: venv test test-all test-slow demo demo-check bench clean
 
 venv: $(OPS)
 
@@ -47,6 +47,10 @@ test: $(OPS) $(MODELS)
 # The full matrix: every mode, world size and end-to-end variant.
 test-all: $(OPS) $(MODELS)
 	$(VPY) -m pytest -q tests
+
+# Only the tests `make test` leaves out (CI runs `make test` then this: together `make test-all`).
+test-slow: $(OPS) $(MODELS)
+	$(VPY) -m pytest -q tests -m slow
 
 # SEED=N picks the toy corpus, initial weights and row order (default 0); docs/demo.md.
 demo: $(OPS)

@@ -31,7 +31,9 @@ def configs(tmp_path_factory):
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}).save_pretrained(root / "big")
     tf.MistralConfig(**_TINY, sliding_window=8).save_pretrained(root / "windowed")
     # every other supported family, as a user's config.json (built from tests/model_equiv's tiny configs)
-    from tests.model_equiv import EXTRA_FAMILIES, make_config
+    from tests.model_equiv import CONTRACT_FAMILIES, EXTRA_FAMILIES, make_config
+    for family in CONTRACT_FAMILIES:  # issue #59: sinks (gpt-oss: no SDPA, judged against eager), MLA, chunks
+        make_config(family).save_pretrained(root / family)
     for family in EXTRA_FAMILIES:
         extra = {"sliding_window": 6} if family == "gemma3" else {}  # local layers really windowed
         make_config(family, num_hidden_layers=4, **extra).save_pretrained(root / family)
@@ -44,7 +46,11 @@ FAMILY_CASES = {"mixtral": ["--parallel_mode", "ulysses_attn", "--seq-len", "24"
                 "qwen3_moe": ["--parallel_mode", "usp_attn", "--ring_degree", "2"],
                 "phi3": ["--parallel_mode", "dist_flash_attn"],
                 "olmo2": ["--parallel_mode", "zigzag_ring_attn", "--packed"],
-                "gemma3": ["--parallel_mode", "zigzag_ring_attn", "--seq-len", "32"]}
+                "gemma3": ["--parallel_mode", "zigzag_ring_attn", "--seq-len", "32"],
+                "gpt_oss": ["--parallel_mode", "zigzag_ring_attn", "--seq-len", "32", "--packed"],
+                "deepseek_v3": ["--parallel_mode", "ulysses_attn", "--seq-len", "32"],
+                "llama4_text": ["--parallel_mode", "usp_attn", "--ring_degree", "2", "--seq-len", "32", "--packed"],
+                "exaone4": ["--parallel_mode", "dist_flash_attn", "--seq-len", "32"]}
 
 
 def _plan(argv):
