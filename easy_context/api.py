@@ -148,6 +148,7 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
                                 "(get_mode(mode).dispatch_of(world, positions=..., dispatch='auto')) or pass "
                                 "dispatch='auto'")
     layout = BatchLayout(mode, world_size, dict(kw), position_ids.detach().cpu(), table)
+    tag = (*tag, table is not None)  # (signature, description, cut by a dispatch table)
 
     def cut(t):
         if t is None:

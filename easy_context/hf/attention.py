@@ -103,7 +103,11 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, require_table:
                                    passed=sliding_window is not _UNSET)
         groups = bound.get()
         _check_layout(mode, bound, state, kwargs.get("position_ids"))
-        docs = _documents(mode, groups, state, kwargs.get("position_ids"), table_of(kwargs, mode), require_table)
+        pos = kwargs.get("position_ids")
+        # inputs that prepare_seq_parallel_inputs cut without a table (its plain form: the mode's fixed cut, rebuilt
+        # from the positions) need none, also under a layout that dispatches the ones its own prepare_inputs cuts
+        fixed = getattr(pos, "_easy_context_layout", (None, None, True))[2:] == (False,)
+        docs = _documents(mode, groups, state, pos, table_of(kwargs, mode), require_table and not fixed)
         length = query.shape[2] * _sp_size(mode, groups)
         if (window is not None and window < length) or (chunk is not None and chunk < length):
             docs = _one_document(state, query.shape[0], length) if docs is None else docs
