@@ -5,6 +5,8 @@ layer (order: recurrent first, so a wrong state reaches the attention layer too)
 model, same seed -> same weights on every rank."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # supported (adapters in easy_context/recurrent) and refused-but-buildable families
@@ -79,3 +81,24 @@ def build_hybrid(family: str, seed: int = 0, attn_implementation: str = "sdpa", 
         from easy_context.recurrent.init import slow_decay_
         slow_decay_(model, seed)
     return model.float().train()
+
+
+@contextlib.contextmanager
+def drop_recurrent_state():
+    """The mutation the hybrid tests run (kept out of library code): every recurrent state a rank receives from
+    another is replaced by zeros — the serial chain's receives and the parallel paths' published pieces of other
+    ranks (recurrent/exchange.py) — i.e. what crosses ranks is lost; an equivalence test must then fail."""
+    import torch
+
+    from easy_context.recurrent import chain, exchange
+    recv, publish = chain._recv, exchange._Publish.forward
+
+    def forward(ctx, plan, like, *local):
+        out, k = publish(ctx, plan, like, *local), len(like)
+        return tuple(t if plan.pieces[j // k].owner == plan.me else torch.zeros_like(t) for j, t in enumerate(out))
+    chain._recv = lambda like, src: tuple(torch.zeros_like(b) for b in recv(like, src))
+    exchange._Publish.forward = staticmethod(forward)
+    try:
+        yield
+    finally:
+        chain._recv, exchange._Publish.forward = recv, staticmethod(publish)

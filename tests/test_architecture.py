@@ -206,7 +206,33 @@ def test_no_measured_comment():
                        "reasoning):\n" + "\n".join(found))
 
 
+_TEST_HOOK = re.compile(r"EASY_CONTEXT_TEST|\bPYTEST_CURRENT_TEST\b")
+
+
+def test_hooks(package: Path) -> list[str]:
+    """Lines of library code that exist for tests (a mutation switched on by an environment variable, a branch on
+    pytest): such hooks live in tests/ (monkeypatching the library), never in what users run (issue #61)."""
+    out = []
+    for f in sorted(package.rglob("*.py")):
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if _TEST_HOOK.search(line):
+                out.append(f"{f.relative_to(package.parent)}:{i}: {line.strip()}")
+    return out
+
+
+test_hooks.__test__ = False  # a check, not a test (pytest would collect it by name)
+
+
+def test_no_test_hook_in_library_code():
+    found = test_hooks(PACKAGE)
+    assert not found, "test hooks in library code (move the mutation into tests/, e.g. monkeypatch):\n" + \
+        "\n".join(found)
+
+
 # ---------------------------------------------------------------------------------------------- the checks bite
+def test_hook_check_sees_a_hook(tmp_path):
+    pkg = _package(tmp_path, {"m.py": 'import os\nDROP = os.environ.get("EASY_CONTEXT_TEST_DROP")\nx = 1\n'})
+    assert test_hooks(pkg) == ['easy_context/m.py:2: DROP = os.environ.get("EASY_CONTEXT_TEST_DROP")']
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "easy_context"
     for rel, text in {"__init__.py": "", **files}.items():

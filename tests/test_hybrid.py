@@ -101,7 +101,7 @@ def _count_parallel_runs():
 def _equivalence_body(rank, world_size, full):
     import os
 
-    from easy_context.recurrent.chain import DROP_STATE_ENV
+    from tests.hybrid_models import drop_recurrent_state
     from easy_context.recurrent.exchange import SERIAL_ENV
     from tests.model_equiv import check_model_equivalence
     runs = _count_parallel_runs()
@@ -135,18 +135,17 @@ def _equivalence_body(rank, world_size, full):
     # the mutation: what crosses ranks (states, conv windows) replaced by zeros -> the comparison must fail, both paths
     for family in ("qwen3_next", "lfm2"):
         for serial in (False, True):
-            os.environ[DROP_STATE_ENV] = "1"
             if serial:
                 os.environ[SERIAL_ENV] = "1"
             try:
-                check_model_equivalence(rank, world_size, "zigzag_ring_attn", family)
+                with drop_recurrent_state():
+                    check_model_equivalence(rank, world_size, "zigzag_ring_attn", family)
             except AssertionError as e:
                 assert "relative error" in str(e), str(e)
             else:
                 raise AssertionError(f"{family}: dropping the recurrent state exchange went unnoticed "
                                      f"(serial={serial})")
             finally:
-                os.environ.pop(DROP_STATE_ENV)
                 os.environ.pop(SERIAL_ENV, None)
 
 

@@ -251,8 +251,8 @@ def _modes(world_size):
 def _sp_body(rank, world_size):
     import os
 
-    from easy_context.recurrent.chain import DROP_STATE_ENV
     from easy_context.recurrent.mamba2_parallel import SERIAL_ENV
+    from tests.hybrid_models import drop_recurrent_state
     from easy_context.tools.check.rank import packed_positions
     from tests.model_equiv import check_model_equivalence
     for mode, kw in _modes(world_size):
@@ -273,17 +273,17 @@ def _sp_body(rank, world_size):
         os.environ.pop(SERIAL_ENV)
     # the mutation: what crosses ranks (conv tails, states) replaced by zeros must fail the same check, either path
     for serial in (False, True):
-        os.environ[DROP_STATE_ENV] = "1"
         if serial:
             os.environ[SERIAL_ENV] = "1"
         try:
-            check_model_equivalence(rank, world_size, "zigzag_ring_attn", "nemotron_h", seq_len=40, model_kw=NEMOTRON)
+            with drop_recurrent_state():
+                check_model_equivalence(rank, world_size, "zigzag_ring_attn", "nemotron_h", seq_len=40,
+                                        model_kw=NEMOTRON)
         except AssertionError as e:
             assert "relative error" in str(e), str(e)
         else:
             raise AssertionError(f"dropping the Mamba-2 state exchange went unnoticed (serial={serial})")
         finally:
-            os.environ.pop(DROP_STATE_ENV)
             os.environ.pop(SERIAL_ENV, None)
 
 

@@ -86,7 +86,7 @@ def _body(rank, world_size, route="parallel"):
         os.environ[SERIAL_ENV] = "1"
     import torch.distributed as dist
 
-    from easy_context.recurrent.chain import DROP_STATE_ENV
+    from tests.hybrid_models import drop_recurrent_state
     from easy_context.tools.check.rank import packed_positions
     from tests.hybrid_models import build_hybrid
     from tests.model_equiv import make_batch, per_document_reference
@@ -109,11 +109,8 @@ def _body(rank, world_size, route="parallel"):
             for name, g in grads.items():
                 assert g is not None, f"{tag} no grad for {name}"
                 assert_close(g, ref_grads[name], REL, f"{tag} grad {name}")
-        os.environ[DROP_STATE_ENV] = "1"  # the mutation: the exchange dropped -> some gradient must differ
-        try:
+        with drop_recurrent_state():  # the mutation: the exchange dropped -> some gradient must differ
             loss, grads = _step(rank, world_size, family, ref, ids, pos, tgt)
-        finally:
-            os.environ.pop(DROP_STATE_ENV)
         off = [n for n, g in grads.items() if (g - ref_grads[n]).norm() > REL * ref_grads[n].norm()]
         assert off, f"{route} {family}: dropping the recurrent exchange went unnoticed under ZeRO-3"
     counts = [None] * world_size

@@ -30,7 +30,12 @@ _NEUTRAL = {
     "is_causal": (None, True), "softcap": (None,), "cache": (None,), "past_key_values": (None,),
     "head_mask": (None,), "target_dtype": None, "s_aux": None, "position_ids": None,
 }
-_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# config.layer_types entries (transformers' ALLOWED_LAYER_TYPES and families' own) by what the attention must do
+_FULL = ("full_attention", "hybrid", "attention", "full")             # plain causal (hybrid: attention + a mixer)
+_SLIDING = ("sliding_attention", "hybrid_sliding")                     # causal within a window
+_CHUNKED = ("chunked_attention",)                                      # Llama 4: chunks of the row are documents
+_NOT_A_MASK = ("conv", "moe", "linear_attention", "mamba", "mlp", "sparse", "dense")  # the layer's other part
+_LAYER_TYPES = _FULL + _SLIDING + _CHUNKED  # anything else (window_attention, indexed / compressed sparse, ...) refused
 
 
 class AttentionContractError(ValueError):
@@ -93,9 +98,10 @@ def layer_type(module) -> str | None:
     cfg = getattr(module, "config", None)
     types = getattr(cfg, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
-    if not types or idx is None or not 0 <= idx < len(types):
-        return None
-    return types[idx]
+    if not types or idx is None or not 0 <= idx < len(types) or types[idx] in _NOT_A_MASK:
+        return None  # no per-layer type, or one that says what else the layer is, not what its attention masks
+    kind = types[idx]
+    return "full_attention" if kind in _FULL else "sliding_attention" if kind in _SLIDING else kind
 
 
 def layer_mask(mode_name: str, module, sliding_window, passed: bool) -> tuple[int | None, int | None]:

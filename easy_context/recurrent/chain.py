@@ -16,18 +16,11 @@ for those tokens given the true incoming state (the adapter's rule), and documen
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from .pieces import Plan
 from .zero3 import full_zeros, gather_direct, is_partitioned, whole_layer, whole_layer_for_grads
-
-# test hook (the mutation the tests run): "1" replaces every state received from another rank by zeros, i.e.
-# drops the state exchange; the equivalence test must then fail.
-DROP_STATE_ENV = "EASY_CONTEXT_TEST_DROP_RECURRENT_STATE"
-
 
 def _send(tensors, like, dst):
     for t, ref in zip(tensors, like):  # in the receiver's dtype: the buffers are sized from zero_state
@@ -40,8 +33,6 @@ def _recv(like, src):
         buf = torch.empty_like(t)
         dist.recv(buf, src=src)
         out.append(buf)
-    if os.environ.get(DROP_STATE_ENV) == "1":
-        out = [torch.zeros_like(b) for b in out]
     return tuple(out)
 
 
