@@ -14,13 +14,16 @@ from easy_context_train.real_model import summary
 
 
 def _run(d, own, held, ruler, ppl):
-    os.makedirs(d)
+    os.makedirs(d / "needle_own")  # own format: eval_needle's plain CSV in a folder, as bench/real_model_gpu.sh does
+    with open(d / "needle_own" / "needle_m.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["length", "depth", "sample", "expected", "generated", "correct"])
+        for L, depth, ok in own:
+            w.writerow([L, depth, 0, "1", "x", ok])
     with open(d / "needle_m.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["length", "depth", "sample", "expected", "generated", "correct", "templates", "kind",
                     "template_id"])
-        for L, depth, ok in own:
-            w.writerow([L, depth, 0, "1", "x", ok, "own", "own", "eval_needle/own"])
         for kind, L, depth, ok in held:
             w.writerow([L, depth, 0, "1", "x", ok, "heldout", kind, f"heldout/{kind}/0"])
     with open(d / "ruler_m.csv", "w", newline="") as f:

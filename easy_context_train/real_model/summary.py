@@ -2,7 +2,7 @@
 
     python -m easy_context_train.real_model.summary --runs before=R0 stage3=R3 after=R4 --out DIR [--title T]
 
-Reads what bench/real_model_gpu.sh's evals leave in each run directory: ``needle_*.csv`` (eval_needle.py; with
+Reads what bench/real_model_gpu.sh's evals leave in each run directory: ``needle_*.csv`` here or one folder below (eval_needle.py; with
 ``--templates both`` its ``kind`` column tells own from each held-out probe kind), ``ruler_*.csv`` (eval_ruler.py),
 ``ppl.csv`` (eval_ppl.py --truncate, nested prefixes), ``generations.json``, ``model.json``. Writes into ``--out``:
 ``summary.md`` (the table: rows = run x probe, columns = lengths; needle own, each held-out kind and their mean, every
@@ -24,8 +24,9 @@ import sys
 
 
 def _csv(run_dir: str, pattern: str) -> list[dict]:
-    files = sorted(glob.glob(os.path.join(run_dir, pattern)))
-    return list(csv.DictReader(open(files[0], newline="", encoding="utf-8"))) if files else []
+    """Rows of every file matching ``pattern`` in ``run_dir`` or one folder below (needle_own/, needle_heldout/)."""
+    files = sorted(glob.glob(os.path.join(run_dir, pattern)) + glob.glob(os.path.join(run_dir, "*", pattern)))
+    return [r for f in files for r in csv.DictReader(open(f, newline="", encoding="utf-8"))]
 
 
 def read_run(run_dir: str) -> dict:
@@ -58,6 +59,11 @@ def loss_by_position(ppl: dict[int, float]) -> list[tuple[int, int, float]]:
                     nll / (L - 1) if prev is None else (nll - prev[1]) / (L - prev[0])))
         prev = (L, nll)
     return out
+
+
+def _rank(probe: str) -> int:
+    """Table order: own needle, held-out mean, each held-out kind, RULER."""
+    return 0 if probe == "needle own" else 1 if probe.endswith("(mean)") else 2 if probe.startswith("needle") else 3
 
 
 def _k(n: int) -> str:
@@ -96,7 +102,7 @@ def report(pairs: list[tuple[str, str]], out: str, title: str, final: str = "aft
     lengths = sorted({L for r in runs.values() for d in list(r["probes"].values()) + [r["ppl"]] for L in d})
     rows = []
     for n, r in runs.items():
-        for probe, d in r["probes"].items():
+        for probe, d in sorted(r["probes"].items(), key=lambda kv: _rank(kv[0])):
             rows.append([n, probe] + [f"{d[L]:.2f}" if L in d else "" for L in lengths]
                         + [f"{sum(d.values()) / len(d):.2f}"])
         if r["ppl"]:
