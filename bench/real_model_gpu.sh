@@ -102,7 +102,12 @@ needle_eval() {  # MODEL DIR MAXLEN: own format (full grid) and held-out probes 
 evals() {  # NAME NOTE PARTS: results in $R/results/NAME (kept for the report) and $OUT/NAME
   local name=$1 m d=$R/results/$1 big=65536 t0
   m=$(model_of "$name"); need "$m" "run its stage first"
-  is128 "$name" && big=131072
+  if is128 "$name"; then  # a coarser grid to 128K (prompts cost ~2x): 40 own, 72 held-out, 4 lengths of RULER
+    big=131072
+    local NEEDLE_MIN=${NEEDLE_MIN:-16384} NEEDLE_STEP=${NEEDLE_STEP:-16384} DEPTH=${DEPTH:-0.25}
+    local HELD_MIN=${HELD_MIN:-32768} HELD_STEP=${HELD_STEP:-32768} HELD_DEPTH=${HELD_DEPTH:-0.5}
+    local RULER_MIN=${RULER_MIN:-32768} RULER_STEP=${RULER_STEP:-32768}
+  fi
   mkdir -p "$d"
   python3 -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); rp=c.get('rope_parameters') or {};
 print(json.dumps({'path': sys.argv[1], 'rope': rp or c.get('rope_theta'), 'max_position_embeddings':
