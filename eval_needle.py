@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--probe_kinds", nargs="+", default=None, metavar="KIND",
                    help="held-out kinds to ask (default all: frame word passkey distract kv code)")
     p.add_argument("--code_haystack_dir", default=None,
-                   help="folder of *.txt / *.py code for the held-out code probe (default: generated code)")
+                   help="folder of *.txt code files for the held-out code probe (default: generated code)")
     return p.parse_args(argv)
 
 

@@ -43,7 +43,8 @@ _DOC = re.compile(r'"""(.*?)"""', re.S)
 
 def docstrings(texts: list[str], min_chars: int = 200) -> list[str]:
     """The long docstrings of the documents, dedented: prose written by people, from the training split itself."""
-    return [textwrap.dedent(m.group(1)).strip() for t in texts for m in _DOC.finditer(t) if len(m.group(1)) >= min_chars]
+    return [textwrap.dedent(m.group(1)).strip() for t in texts for m in _DOC.finditer(t)
+            if len(m.group(1)) >= min_chars]
 
 
 def _init(tok_path: str, streams) -> None:

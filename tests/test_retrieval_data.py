@@ -102,3 +102,29 @@ def test_seeded_and_refuses_bad_input(setup, capsys):
     assert "--min-length" in capsys.readouterr().err
     assert _write(d, "c", 1, 1, "--raw-share", "0.8", "--chat-share", "0.2") == 2
     assert "--raw-share + --chat-share" in capsys.readouterr().err
+
+
+def test_gemma_turn_template_on_a_base_tokenizer(setup, tmp_path, capsys):
+    """real_model/chat_template.py: a tokenizer with Gemma's turn tokens gets the template, <end_of_turn> as EOS, and
+    the curriculum's ChatMarkup parses it; one without them is refused with the reason."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from easy_context_train.curriculum.markup import ChatMarkup
+    from easy_context_train.real_model import chat_template
+    d, _ = setup
+    plain = tmp_path / "plain"
+    shutil.copytree(d / "tok", plain)
+    assert chat_template.main([str(plain)]) == 2 and "not one token" in capsys.readouterr().err
+    tok = AutoTokenizer.from_pretrained(d / "tok")
+    tok.chat_template = None
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tok.save_pretrained(tmp_path / "g")
+    assert chat_template.main([str(tmp_path / "g")]) == 0
+    g = AutoTokenizer.from_pretrained(tmp_path / "g")
+    assert g.eos_token == "<end_of_turn>"
+    text = g.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<s><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    m = ChatMarkup(g)
+    assert g.convert_ids_to_tokens(m.eot) == ["<end_of_turn>"] and m.to_user[:1] == m.eot

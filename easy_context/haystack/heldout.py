@@ -1,10 +1,7 @@
-"""Held-out probe templates: needle kinds, wordings and prompt frames that no training generator emits (issue #64).
+"""Held-out probes: needle kinds, wordings and frames no training generator emits (issue #64; eval_needle --templates).
 
-eval_needle.py ``--templates heldout`` asks these; the training curriculum (``easy_context_train/curriculum``) is tested
-to never emit a template id of this file, eval_needle's own texts or RULER's, nor any word 4-gram of their fixed
-wording (``fixed_wording``). So a high score here is retrieval, not a memorised format.
-
-Kinds (one template each; ``{key}`` / ``{value}`` filled per prompt, ``length`` = haystack tokens as in own mode):
+tests/test_curriculum.py checks that the curriculum never emits these template ids nor a word 4-gram of their fixed
+wording (``fixed_wording``), nor eval_needle's or RULER's. Kinds (``length`` = haystack tokens, as in own mode):
   frame     eval_needle's own needle, asked in another prompt frame
   word      a one-word secret ("the secret word for the otter gate")
   passkey   a 5-digit pass key, asked "What is the pass key?"
@@ -15,11 +12,10 @@ Kinds (one template each; ``{key}`` / ``{value}`` filled per prompt, ``length`` 
 """
 from __future__ import annotations
 
-import bisect
 import random
 from dataclasses import dataclass
 
-from . import DISTRACTOR_CITIES, NEEDLE, ending_ids, random_number
+from . import DISTRACTOR_CITIES, NEEDLE, random_number
 
 
 @dataclass(frozen=True)
@@ -88,28 +84,8 @@ def code_filler_text(functions: int = 400, seed: int = 0) -> str:
 
 def fixed_wording(t: ProbeTemplate) -> list[str]:
     """The template's literal text without its placeholders (for the curriculum's n-gram disjointness test)."""
-    return [s for part in (t.head, t.needle, t.question) for s in _split(part)]
-
-
-def _split(text: str) -> list[str]:
     import re
-    return [s for s in re.split(r"\{[a-z_]*\}", text) if s.strip()]
-
-
-class _Stream:
-    """One haystack as ids, tiled to ``n``, with the positions after a line / sentence end."""
-
-    def __init__(self, tok, text: str, n: int, ends: tuple[str, ...]):
-        base = list(tok(text, add_special_tokens=False)["input_ids"])
-        if not base:
-            raise ValueError("a held-out probe haystack is empty")
-        self.ids = (base * max(1, -(-n // len(base))))[:max(n, 1)]
-        hit = ending_ids(tok, self.ids, ends, strip=" \t")
-        self.ends = [j + 1 for j, t in enumerate(self.ids) if t in hit]
-
-    def snap(self, pos: int, length: int) -> int:
-        k = bisect.bisect_left(self.ends, pos)
-        return self.ends[k] if k < len(self.ends) and self.ends[k] <= length else pos
+    return [s for part in (t.head, t.needle, t.question) for s in re.split(r"\{[a-z_]*\}", part) if s.strip()]
 
 
 @dataclass
@@ -124,9 +100,10 @@ class HeldoutProbes:
     """Builds held-out probe prompts over a prose and a code haystack, each tokenized once."""
 
     def __init__(self, tok, prose_text: str, code_text: str | None, max_length: int):
+        from . import NeedleHaystack
         self.tok = tok
-        self.prose = _Stream(tok, prose_text, max_length, (".", "!", "?", "\n"))
-        self.code = _Stream(tok, code_text or code_filler_text(), max_length, ("\n",))
+        self.prose = NeedleHaystack(tok, prose_text, max_length)
+        self.code = NeedleHaystack(tok, code_text or code_filler_text(), max_length, ends=("\n",))
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -140,10 +117,10 @@ class HeldoutProbes:
         if length > len(s.ids):
             raise ValueError(f"context length {length} exceeds the prepared haystack ({len(s.ids)})")
         hay = s.ids[:length]
-        pos = 0 if depth <= 0 else s.snap(int(length * depth), length)
+        pos = 0 if depth <= 0 else s._snap(int(length * depth), length)
         inserts = [(pos, 0, self._ids(t.needle.format(key=key, value=value)))]
-        for i, (k, v) in enumerate(distractors):
-            inserts.append((s.snap(rng.randrange(length + 1), length), i + 1, self._ids(t.needle.format(key=k, value=v))))
+        inserts += [(s._snap(rng.randrange(length + 1), length), i + 1, self._ids(t.needle.format(key=k, value=v)))
+                    for i, (k, v) in enumerate(distractors)]
         body, prev = [], 0
         for p, _, ids in sorted(inserts, key=lambda x: (x[0], x[1])):
             body += hay[prev:p] + ids

@@ -21,12 +21,13 @@ NEEDLES = {
 # --- questions about one needle (first turn) / a follow-up turn -------------------------------------
 QUESTIONS = {
     "number": ("Which number belongs to {key}?", "What figure goes with {key}?", "Give the number recorded for {key}.",
-               "Find {key} in the text and report its number.", "According to the passage, what number is tied to {key}?",
+               "Find {key} in the text and report its number.",
+               "According to the passage, what number is tied to {key}?",
                "{key}: which number?"),
     "word": ("Which word is linked to {key}?", "What codeword does {key} use?", "Tell me the password for {key}.",
              "Look for {key} above. Which word was given for it?"),
-    "kv": ("Look up {key}: what does it hold?", "Which entry does the key {key} map to?", "Return the setting of {key}.",
-           "{key} maps to what?"),
+    "kv": ("Look up {key}: what does it hold?", "Which entry does the key {key} map to?",
+           "Return the setting of {key}.", "{key} maps to what?"),
 }
 FOLLOW_UPS = ("And {key}?", "Now do the same for {key}.", "What about {key}?", "One more: {key}.")
 ANSWERS = {
@@ -49,7 +50,8 @@ CHAIN_HOP = ("{var} takes the value of {src}.", "Set {var} equal to {src}.", "{v
 CHAIN_QUESTIONS = ("Follow the chain: what value does {var} end up with?", "What is {var} equal to?",
                    "Trace {var} back to its start. What number is it?")
 CHAIN_ANSWERS = ("{value}", "{var} equals {value}.", "It ends up as {value}.")
-CHAIN_LIST_QUESTIONS = ("Name every variable whose value is {value}.", "Which names end up holding {value}? List them all.")
+CHAIN_LIST_QUESTIONS = ("Name every variable whose value is {value}.",
+                        "Which names end up holding {value}? List them all.")
 CHAIN_LIST_ANSWERS = ("{vars}", "These hold {value}: {vars}.")
 
 # --- spans of the haystack itself -----------------------------------------------------------------

@@ -14,7 +14,8 @@ import argparse
 import sys
 
 TEMPLATES = {
-    "gemma": ("{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "gemma": ("{{ bos_token }}{% for m in messages %}"
+              "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
               "<start_of_turn>{{ role }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}", "<end_of_turn>"),
 }

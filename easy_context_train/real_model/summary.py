@@ -2,9 +2,9 @@
 
     python -m easy_context_train.real_model.summary --runs before=R0 stage3=R3 after=R4 --out DIR [--title T]
 
-Reads what bench/real_model_gpu.sh's evals leave in each run directory: ``needle_*.csv`` here or one folder below (eval_needle.py; with
-``--templates both`` its ``kind`` column tells own from each held-out probe kind), ``ruler_*.csv`` (eval_ruler.py),
-``ppl.csv`` (eval_ppl.py --truncate, nested prefixes), ``generations.json``, ``model.json``. Writes into ``--out``:
+Reads what bench/real_model_gpu.sh's evals leave in each run directory: ``needle_*.csv`` here or one folder below
+(eval_needle.py; with ``--templates heldout|both`` its ``kind`` column tells own from each held-out probe kind),
+``ruler_*.csv`` (eval_ruler.py), ``ppl.csv`` (eval_ppl.py --truncate, nested prefixes), ``generations.json``, ``model.json``. Writes into ``--out``:
 ``summary.md`` (the table: rows = run x probe, columns = lengths; needle own, each held-out kind and their mean, every
 RULER task, perplexity of the first L tokens; then loss by position, the issue's goals as measured, the short
 answers), ``summary.json`` (the same numbers) and ``probes_<run>.png`` (a depth x length heatmap per needle kind
