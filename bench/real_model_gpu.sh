@@ -112,12 +112,13 @@ evals() {  # NAME NOTE PARTS: results in $R/results/NAME (kept for the report) a
   python3 -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); rp=c.get('rope_parameters') or {};
 print(json.dumps({'path': sys.argv[1], 'rope': rp or c.get('rope_theta'), 'max_position_embeddings':
 c.get('max_position_embeddings'), 'trained': sys.argv[2]}))" "$m" "$2" > "$d/model.json"
-  case " $3 " in *" ppl "*) ppl_eval "$m" "$d" "${PPL_MAX:-$big}" ;; esac
+  # each part replaces its own files only: `after` and `ruler after` fill one folder in either order
+  case " $3 " in *" ppl "*) rm -f "$d"/ppl.*; ppl_eval "$m" "$d" "${PPL_MAX:-$big}" ;; esac
   case " $3 " in *" gen "*) t0=$(date +%s)
     logged "$d/generations.log" python3 bench/real_model_probe.py generate --model "$m" --out "$d/generations.json"
     grep -E "^(Q|A): " "$d/generations.log" || true; echo "== generate: $(( $(date +%s) - t0 )) s" ;; esac
-  case " $3 " in *" needle "*) needle_eval "$m" "$d" "${NEEDLE_MAX:-$big}" ;; esac
-  case " $3 " in *" ruler "*) t0=$(date +%s)
+  case " $3 " in *" needle "*) rm -rf "$d"/needle_own "$d"/needle_heldout; needle_eval "$m" "$d" "${NEEDLE_MAX:-$big}" ;; esac
+  case " $3 " in *" ruler "*) t0=$(date +%s); rm -f "$d"/ruler*
     # shellcheck disable=SC2086
     logged "$d/ruler.log" python3 eval_ruler.py --model "$m" --tasks ${RULER_TASKS:-niah_single niah_multikey \
       niah_multivalue niah_multiquery vt cwe fwe} --min_context_length "${RULER_MIN:-16384}" \
