@@ -2,7 +2,7 @@
 
 Kinds (``KIND_WEIGHTS``): a single fact (number / word / key-value), several facts with distractors (one asked,
 all of one key asked, several keys asked at once), a multi-hop variable chain (its end value asked, or every name
-holding a value), and a span of the haystack itself (the line after / before a quoted line; realised in
+holding a value), counting (the word tallied most often), and a span of the haystack itself (the line after / before a quoted line; realised in
 ``rows.py``, which sees the haystack). A conversation may go on with follow-up turns on other inserted facts.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from . import templates as T
 
-KIND_WEIGHTS = {"number": 14, "word": 10, "kv": 10, "multikey": 14, "multivalue": 8, "multiquery": 8, "chain": 12,
-                "chain_list": 8, "span": 10}
+KIND_WEIGHTS = {"number": 13, "word": 9, "kv": 9, "multikey": 13, "multivalue": 8, "multiquery": 8, "chain": 12,
+                "chain_list": 8, "count": 6, "span": 9}
 _A = ("Harlow", "Corvid", "Alder", "Brisk", "Marlin", "Tansy", "Quill", "Ember", "Solace", "Pinecrest", "Vantage",
       "Larkspur", "Onyx", "Halcyon", "Rook", "Fennel", "Garnet", "Juno", "Kestrel", "Moss")
 _B = ("account", "archive", "project", "station", "locker", "ticket", "vault", "channel", "ledger", "depot",
@@ -102,6 +102,13 @@ def draw_spec(rng: random.Random) -> Spec:
         s.reply = "; ".join(f"{k}: {v}" for k, v in zip(keys, vals))
     elif kind in ("chain", "chain_list"):
         s.inserts, s.ordered = _chains(rng, s, ids)
+    elif kind == "count":  # the asked word 4-7 times, 2-4 others 1-3 times each
+        words = rng.sample(_WORDS, rng.randint(3, 5))
+        line = _pick(rng, "count_lines", T.COUNT_LINES, ids)
+        s.inserts = [line.format(value=w) for i, w in enumerate(words) for _ in range(rng.randint(4, 7) if i == 0
+                                                                                       else rng.randint(1, 3))]
+        s.question = _pick(rng, "count_questions", T.COUNT_QUESTIONS, ids)
+        s.reply = _pick(rng, "count_answers", T.COUNT_ANSWERS, ids).format(value=words[0])
     else:
         s.span = rng.choice(("next", "next", "prev"))
         s.question = _pick(rng, "span_next" if s.span == "next" else "span_prev",

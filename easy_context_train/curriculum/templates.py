@@ -54,6 +54,11 @@ CHAIN_LIST_QUESTIONS = ("Name every variable whose value is {value}.",
                         "Which names end up holding {value}? List them all.")
 CHAIN_LIST_ANSWERS = ("{vars}", "These hold {value}: {vars}.")
 
+# --- counting: one word mentioned more often than the others (aggregation over the whole context) -------
+COUNT_LINES = ("Logged token: {value}", "(tally mark for {value})", "Seen again: {value}.")
+COUNT_QUESTIONS = ("Which logged token shows up most often?", "Of the tallied words, which one was recorded the most?")
+COUNT_ANSWERS = ("{value}", "{value} appears most often.")
+
 # --- spans of the haystack itself -----------------------------------------------------------------
 SPAN_NEXT = ("Which line comes right after this one: \"{line}\"?", "Quote the line that follows \"{line}\".",
              "Copy out the next line after:\n{line}")
@@ -82,7 +87,7 @@ def template_ids() -> set[str]:
     ids |= {f"answer/{k}/{i}" for k, v in ANSWERS.items() for i in range(len(v))}
     for name in ("FOLLOW_UPS", "LIST_QUESTIONS", "LIST_ANSWERS", "MULTI_QUESTIONS", "MULTI_ANSWERS", "CHAIN_FIRST",
                  "CHAIN_HOP", "CHAIN_QUESTIONS", "CHAIN_ANSWERS", "CHAIN_LIST_QUESTIONS", "CHAIN_LIST_ANSWERS",
-                 "SPAN_NEXT", "SPAN_PREV", "FRAMES", "LEADS"):
+                 "COUNT_LINES", "COUNT_QUESTIONS", "COUNT_ANSWERS", "SPAN_NEXT", "SPAN_PREV", "FRAMES", "LEADS"):
         ids |= {f"{name.lower()}/{i}" for i in range(len(globals()[name]))}
     return {"train/" + i for i in ids}
 
@@ -93,6 +98,7 @@ def all_wording() -> list[str]:
     for v in list(NEEDLES.values()) + list(QUESTIONS.values()) + list(ANSWERS.values()):
         out += v
     for t in (FOLLOW_UPS, LIST_QUESTIONS, LIST_ANSWERS, MULTI_QUESTIONS, MULTI_ANSWERS, CHAIN_FIRST, CHAIN_HOP,
-              CHAIN_QUESTIONS, CHAIN_ANSWERS, CHAIN_LIST_QUESTIONS, CHAIN_LIST_ANSWERS, SPAN_NEXT, SPAN_PREV, LEADS):
+              CHAIN_QUESTIONS, CHAIN_ANSWERS, CHAIN_LIST_QUESTIONS, CHAIN_LIST_ANSWERS, COUNT_LINES, COUNT_QUESTIONS,
+              COUNT_ANSWERS, SPAN_NEXT, SPAN_PREV, LEADS):
         out += t
     return out + [s for f in FRAMES for s in f]
