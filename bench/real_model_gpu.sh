@@ -22,7 +22,8 @@
 #   gemma-before, gemma-stage 1|2, gemma-after, ruler gemma-before|gemma-after, gemma-report
 # --quick (given to setup it sticks: later calls read $R/profile): fewer steps (stages 40/30/30/40), a coarse eval
 # grid (needle 16K..64K x 3 depths, held-out 16K + 64K x 3 depths, RULER niah_single/niah_multikey/vt at 16K + 64K x 2
-# samples), no `before` (its numbers are the first run's), no stage-3 probes, no 128K, no Gemma. Calls for it:
+# samples), perplexity only of stage 3 and the final model, no `before` (its numbers are the first run's), no stage-3
+# probes, no 128K, no Gemma. Calls for it:
 #   --quick keep; --quick setup stage 1 stage 2; stage 3 stage 4; after ruler after report      (~12 min of GPU)
 # A stage stopped by its TIME_LIMIT (480 s: SIGTERM, checkpoint, exit 75) resumes when called again.
 # Grid knobs: NEEDLE_MIN/MAX/STEP, DEPTH; HELD_MIN/MAX/STEP, HELD_DEPTH; RULER_TASKS, RULER_MIN/MAX/STEP,
@@ -161,6 +162,7 @@ train_stage() {  # N: the recipe script's stage N (5, 6: the 128K script)
   fi
   [ -f "$s/config.json" ] || die "stage $n did not finish (log: $OUT/stage$n.log); run 'stage $n' again to resume"
   echo "== stage $n: $(( $(date +%s) - t0 )) s"
+  if [ "$QUICK" = 1 ] && [ "$n" != 3 ]; then return 0; fi  # quick: only stage 3's (the goal's raw-text reference)
   case "$n" in 1|2|3|5) [ "${PPL_AFTER_STAGE:-1}" = 0 ] || evals "stage$n" "stage $n" ppl ;; esac
 }
 gemma_stage() {  # N: 1 = 64K raw text, 2 = the curriculum at 64K (Gemma's own chat template, see gemma-setup)

@@ -53,6 +53,10 @@ def test_report_table_goals_and_heatmaps(tmp_path):
     assert cells[("after", "needle held-out (mean)")] == ["", "1.00", "0.50", "0.75"]  # word 1/1, code 1/0
     assert cells[("after", "RULER vt")] == ["", "0.60", "0.40", "0.50"]
     assert cells[("after", "perplexity")] == ["8.500", "5.400", "5.600", ""]
+    by_pos = [float(x) for x in cells[("after", "loss by position (nats)")][:3]]
+    assert by_pos[0] == round(math.log(8.5), 3)  # positions 0..1K: the 1K window's own mean
+    want = (math.log(5.6) * (L2 - 1) - math.log(5.4) * (L1 - 1)) / (L2 - L1)
+    assert abs(by_pos[2] - want) < 1e-3, (by_pos, want)
     goals = {ln.split("|")[1].strip(): ln for ln in text.splitlines() if "(16K+)" in ln or "vs stage3" in ln}
     assert "0.75 | NOT met" in goals["needle own (16K+)"] and "0.50 | met" in goals["RULER vt (16K+)"]
     assert "not measured" in goals["RULER niah_multikey (16K+)"]

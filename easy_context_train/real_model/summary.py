@@ -107,12 +107,15 @@ def report(pairs: list[tuple[str, str]], out: str, title: str, final: str = "aft
                         + [f"{sum(d.values()) / len(d):.2f}"])
         if r["ppl"]:
             rows.append([n, "perplexity"] + [f"{r['ppl'][L]:.3f}" if L in r["ppl"] else "" for L in lengths] + [""])
+            pos = {b + 1: x for _, b, x in loss_by_position(r["ppl"])}  # the positions each length adds
+            rows.append([n, "loss by position (nats)"] + [f"{pos[L]:.3f}" if L in pos else "" for L in lengths] + [""])
     md = [f"# {title}", ""]
     for n, d in pairs:
         m = os.path.join(d, "model.json")
         if os.path.exists(m):
             md.append(f"- {n}: {json.load(open(m))}")
-    md += ["", "## Every probe by length (needle/RULER: fraction correct; perplexity of the first L tokens)", ""]
+    md += ["", "## Every probe by length (needle / RULER: fraction correct; perplexity of the first L tokens; loss by "
+           "position: mean NLL of the positions between the previous length and L)", ""]
     md += _table(["run", "probe"] + [_k(L) for L in lengths] + ["mean"], rows) + [""]
     lbp = {n: loss_by_position(r["ppl"]) for n, r in runs.items() if r["ppl"]}
     if lbp:
