@@ -20,7 +20,7 @@
 #   gemma-keep N           carry .real/gN (N = 1..4)                                               ~10 s each
 #   gemma-setup            fetch offline, convert, chat template, data 64K, curriculum rows        ~3 min
 #   gemma-before, gemma-stage 1|2, gemma-after, ruler gemma-before|gemma-after, gemma-report
-# --quick (given to setup it sticks: later calls read $R/profile): fewer steps (stages 40/30/30/40), a coarse eval
+# --quick (given to setup it sticks: later calls read $R/profile; a setup without it clears it): fewer steps (stages 40/30/30/40), a coarse eval
 # grid (needle 16K..64K x 3 depths, held-out 16K + 64K x 3 depths, RULER niah_single/niah_multikey/vt at 16K + 64K x 2
 # samples), perplexity only of stage 3 and the final model, no `before` (its numbers are the first run's), no stage-3
 # probes, no 128K, no Gemma. Calls for it:
@@ -46,8 +46,9 @@ G0=$R/gemma3/hf
 GFINAL=$R/runs/gemma3-270m-64K-rope-6e6-retrieval
 mkdir -p "$OUT" "$R"
 QUICK=0
-[ "${1:-}" = --quick ] && { QUICK=1; shift; }
-[ -f "$R/profile" ] && [ "$(cat "$R/profile")" = quick ] && QUICK=1
+if [ "${1:-}" = --quick ]; then QUICK=1; shift
+elif [ "${1:-}" = setup ]; then rm -f "$R/profile"  # a setup without --quick starts a full-profile run
+elif [ -f "$R/profile" ] && [ "$(cat "$R/profile")" = quick ]; then QUICK=1; fi
 if [ "$QUICK" = 1 ]; then  # defaults only: an explicit variable still wins
   : "${STEPS1:=40}" "${STEPS2:=30}" "${STEPS3:=30}" "${STEPS4:=40}" "${RET_ROWS:=88}"
   : "${NEEDLE_MIN:=16384}" "${NEEDLE_STEP:=16384}" "${DEPTH:=0.5}" "${HELD_MIN:=16384}" "${HELD_STEP:=49152}"
