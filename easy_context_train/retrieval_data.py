@@ -1,173 +1,66 @@
-"""Chat-formatted retrieval conversations over a real haystack, packed into training rows (issue #48).
+"""The retrieval curriculum as training rows: `python -m easy_context retrieval-data` (issue #64; #48's stage 4).
 
     python -m easy_context retrieval-data --tokenizer MODEL --haystack DIR/train.jsonl --seq-length 65536 \
-        --rows 120 --output data/retrieval_65536
+        --rows 160 --output data/retrieval_65536
 
 Why: a small instruct model fine-tuned only on raw long text keeps its perplexity but loses the habit of answering
-a question about a long prompt (SmolLM2-135M after 12M tokens of CPython sources: needle 0.00 at every length, the
-reply empty or continuing the haystack). A short last stage on these rows teaches it back, at every length up to
-the new one. Each conversation is what eval_needle.py --chat-template asks, with other texts and other numbers:
+about a long prompt; #48's first fix trained eval_needle's own needle and question, and the model learned that
+format (held-out wordings 0.65-0.95, RULER 8 %). These rows teach the skill instead (``curriculum/``):
 
-    user:      PREFIX + haystack with 1-4 needles "The special magic {city} number is: {n}." + a question on one
-    assistant: "The special magic {city} number is: {n}."
-    (then one follow-up user/assistant turn per other needle: "What is the special magic {city} number?")
+* needle kinds: numbers, words, key-value pairs, several facts with distractors (one asked, all values of one key,
+  several keys at once), multi-hop variable chains (the end value, or every name holding a value), and spans of the
+  haystack itself (the line after / before a quoted line); follow-up turns on other facts;
+* wordings: several needle, question and answer phrasings per kind, 9 prompt frames (question after, before, or
+  both), a given reply lead now and then; every template id and word 4-gram disjoint from eval_needle's, RULER's
+  and the held-out probes' (``easy_context/haystack/heldout.py``), checked by tests/test_curriculum.py;
+* haystacks: the given documents (the training split: CPython's code), their docstrings (prose), generated prose;
+* mixed with generated short chat turns and a raw-text piece per row; the loss weighting is stated in
+  ``curriculum/rows.py`` (default: raw text half of a mixed row's loss, the replies the other half).
 
-* haystack: slices at random offsets of the given jsonl documents (the training split: CPython's sources) or, for a
-  ``--prose-share`` of the conversations, of generated prose (``haystack.filler_text``); never eval_needle's
-  haystack (the held-out ``pydoc_data`` topics). Needles go after a token that ends a line or a sentence.
-* cities: 40 (Singapore, which eval_needle asks for, among them), numbers of 5-9 digits, the question in one of
-  three wordings (eval_needle's own, with the city changed, one of them).
-* rows: ``seq_length + 1`` tokens, 1-4 conversations each (lengths from a random split of the row: every length
-  from ``--min-length`` to the whole row), positions restarting per conversation, the rest a pad document.
-  Labels only on the assistant replies and their end-of-turn token (the rows' token-mean loss is the answers').
-* the chat markup is the tokenizer's template rendered around placeholder contents and tokenized on its own, the
-  way ``evals.ChatWrap`` builds eval_needle's prompts, so training and eval see the same token boundaries.
+Rows: ``seq_length + 1`` tokens, positions restarting per document, labels only on replies (+ their end-of-turn
+token) and on the raw piece's tail. The chat markup is the tokenizer's template rendered around placeholder contents
+and tokenized on its own, the way ``evals.ChatWrap`` builds the evals' prompts.
 """
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import multiprocessing as mp
 import random
+import re
 import sys
+import textwrap
 
-from easy_context.haystack import PREFIX, ending_ids, filler_text, random_number
+from easy_context.haystack import ending_ids, filler_text
 from easy_context.loss import IGNORE_INDEX
 
+from .curriculum import rows as R
+from .curriculum.markup import ChatMarkup
+
 PROG = "python -m easy_context retrieval-data"
-CITIES = ("Singapore", "Oslo", "Lima", "Cairo", "Madrid", "Dublin", "Seoul", "Quito", "Vienna", "Nairobi",
-          "New York", "London", "Paris", "Tokyo", "Beijing", "Berlin", "Sydney", "Toronto", "Mumbai", "Lagos",
-          "Prague", "Lisbon", "Athens", "Havana", "Manila", "Hanoi", "Santiago", "Bogota", "Warsaw", "Helsinki",
-          "Montreal", "Chicago", "Denver", "Kyoto", "Osaka", "Dakar", "Tunis", "Riga", "Zagreb", "Bern")
-NEEDLE = "\nThe special magic {city} number is: {n}.\n"
-ANSWER = "The special magic {city} number is: {n}."
-QUESTIONS = (  # the first turn's question, after the haystack (eval_needle's QUESTION_STR first, city changed)
-    "</book>.\n Based on the content of the book, Question: What is the special magic {city} number? Answer: "
-    "The special magic {city} number is:",
-    "</book>.\n Question: What is the special magic number for {city} mentioned in the book?",
-    "</book>.\nWhat is the special magic {city} number?",
-)
-FOLLOW_UP = "What is the special magic {city} number?"
-_S = "\uE000S{}\uE000"  # placeholder contents (private-use characters: never in a real template)
+_DOC = re.compile(r'"""(.*?)"""', re.S)
 
 
-class ChatMarkup:
-    """The template's markup as ids around user / assistant turns, rendered once with placeholder contents."""
-
-    def __init__(self, tok):
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template: retrieval-data needs an instruct model's tokenizer")
-        msgs = [{"role": "user", "content": _S.format(0)}, {"role": "assistant", "content": _S.format(1)},
-                {"role": "user", "content": _S.format(2)}, {"role": "assistant", "content": _S.format(3)}]
-        text = tok.apply_chat_template(msgs, tokenize=False)
-        parts, rest = [], text
-        for i in range(4):
-            if rest.count(_S.format(i)) != 1:
-                raise ValueError("the chat template does not render message contents verbatim")
-            head, rest = rest.split(_S.format(i))
-            parts.append(head)
-        ids = lambda s: list(tok(s, add_special_tokens=False)["input_ids"]) if s else []  # noqa: E731
-        # head: (system +) user start; to_assistant: user end + assistant start; to_user: assistant end + user start
-        self.head, self.to_assistant, self.to_user, self.end = ids(parts[0]), ids(parts[1]), ids(parts[2]), ids(rest)
-        if parts[3] != parts[1]:
-            raise ValueError("the chat template renders the second user turn's end unlike the first")
-        self.eot = self.end[:1]  # the end-of-turn token the model must learn to emit (trained after each reply)
-        if self.to_user[:1] != self.eot:
-            raise ValueError("the chat template ends an assistant turn differently before a user turn")
-
-
-_W: dict = {}  # per worker: tokenizer, markup, haystack streams (set by _init; fork keeps the parent's copy)
-
-
-def _ids(text: str) -> list[int]:
-    return list(_W["tok"](text, add_special_tokens=False)["input_ids"])
-
-
-def _stream(texts, limit: int, tok) -> tuple[list[int], list[int]]:
-    """Token ids of the texts joined by blank lines (up to ``limit``) and the positions after a line/sentence end."""
-    ids: list[int] = []
-    for t in texts:
-        ids += list(tok(t + "\n\n", add_special_tokens=False)["input_ids"])
-        if len(ids) >= limit:
-            break
-    ends = ending_ids(tok, ids, ("\n", ".", "!", "?"), strip=" \t")
-    return ids, [j + 1 for j, t in enumerate(ids) if t in ends]
+def docstrings(texts: list[str], min_chars: int = 200) -> list[str]:
+    """The long docstrings of the documents, dedented: prose written by people, from the training split itself."""
+    return [textwrap.dedent(m.group(1)).strip() for t in texts for m in _DOC.finditer(t)
+            if len(m.group(1)) >= min_chars]
 
 
 def _init(tok_path: str, streams) -> None:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tok_path)
-    _W.update(tok=tok, markup=ChatMarkup(tok), streams=streams)
-    _W["prefix"] = _ids(PREFIX)
-
-
-def _conversation(rng: random.Random, budget: int, prose_share: float) -> tuple[list[int], list[int]] | None:
-    """(input_ids, labels) of one conversation of exactly ``budget`` tokens, or None if it cannot fit."""
-    m = _W["markup"]
-    n_needles = rng.choice((1, 1, 2, 2, 3, 4))
-    cities = rng.sample(CITIES, n_needles)
-    nums = [random_number(rng, rng.randint(5, 9)) for _ in cities]
-    needles = [_ids(NEEDLE.format(city=c, n=n)) for c, n in zip(cities, nums)]
-    answers = [_ids(ANSWER.format(city=c, n=n)) + m.eot for c, n in zip(cities, nums)]
-    question = _ids(rng.choice(QUESTIONS).format(city=cities[0]))
-    follow = [m.to_user[len(m.eot):] + _ids(FOLLOW_UP.format(city=c)) + m.to_assistant for c in cities[1:]]
-    fixed = (len(m.head) + len(_W["prefix"]) + sum(map(len, needles)) + len(question) + len(m.to_assistant)
-             + sum(map(len, answers)) + sum(map(len, follow)) + len(m.end) - len(m.eot))
-    n_hay = budget - fixed
-    if n_hay < 16:
-        return None
-    ids, ends = _W["streams"][1 if rng.random() < prose_share else 0]
-    if n_hay > len(ids):
-        raise ValueError(f"the haystack holds {len(ids)} tokens, fewer than one conversation needs ({n_hay})")
-    start = rng.randrange(len(ids) - n_hay + 1)
-    hay = ids[start:start + n_hay]
-    cuts = [_needle_at(rng, ends, start, n_hay) for _ in needles]
-    body, prev = [], 0
-    for cut, needle in sorted(zip(cuts, needles), key=lambda x: x[0]):
-        body += hay[prev:cut] + needle
-        prev = cut
-    body += hay[prev:]
-    inp = m.head + _W["prefix"] + body + question + m.to_assistant
-    lab = [IGNORE_INDEX] * len(inp)
-    for i, ans in enumerate(answers):
-        inp, lab = inp + ans, lab + ans
-        if i + 1 < len(answers):
-            inp, lab = inp + follow[i], lab + [IGNORE_INDEX] * len(follow[i])
-    inp, lab = inp + m.end[len(m.eot):], lab + [IGNORE_INDEX] * (len(m.end) - len(m.eot))
-    assert len(inp) == budget, (len(inp), budget)
-    return inp, lab
-
-
-def _needle_at(rng: random.Random, ends: list[int], start: int, n: int) -> int:
-    """A random depth in the slice [start, start + n), moved to the next line / sentence end inside it."""
-    k = bisect.bisect_left(ends, start + rng.randrange(n + 1))
-    return ends[k] - start if k < len(ends) and ends[k] - start <= n else rng.randrange(n + 1)
+    R.init(tok, ChatMarkup(tok), streams)
 
 
 def _row(job) -> dict:
-    seed, row, row_len, min_len, prose_share, pad = job
-    rng = random.Random(seed * 1_000_003 + row)
-    k = rng.choices((1, 2, 3, 4), weights=(35, 30, 20, 15))[0]
-    k = max(1, min(k, row_len // min_len))
-    free = row_len - k * min_len  # split at random over the k conversations, each min_len + its share
-    cuts = sorted(rng.randint(0, free) for _ in range(k - 1))
-    spans = [b - a for a, b in zip([0] + cuts, cuts + [free])]
-    ids, labels, pos = [], [], []
-    for span in spans:
-        conv = _conversation(rng, span + min_len, prose_share)
-        if conv is None:
-            continue
-        ids += conv[0]
-        labels += conv[1]
-        pos += range(len(conv[0]))
-    fill = row_len - len(ids)
-    return {"input_ids": ids + [pad] * fill, "labels": labels + [IGNORE_INDEX] * fill,
-            "position_ids": pos + list(range(fill))}
+    cfg, seed, index = job
+    return R.row(cfg, seed, index)
 
 
 def build_rows(tok_path: str, haystack_jsonl: list[str], seq_length: int, rows: int, seed: int = 0,
-               prose_share: float = 0.3, min_length: int = 512, workers: int = 1) -> list[dict]:
+               workers: int = 1, **cfg_kw) -> list[dict]:
+    """``rows`` training rows; ``cfg_kw``: the ``RowConfig`` fields (min_length, full_share, raw_share, ...)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tok_path)
     ChatMarkup(tok)  # fail here, not in a worker
@@ -176,13 +69,19 @@ def build_rows(tok_path: str, haystack_jsonl: list[str], seq_length: int, rows: 
         with open(path, encoding="utf-8") as f:
             texts += [json.loads(line)["text"] for line in f if line.strip()]
     random.Random(seed).shuffle(texts)
-    limit = max(4 * (seq_length + 1), 1 << 21)  # enough distinct text that rows rarely repeat a slice
-    streams = (_stream(texts, limit, tok), _stream([filler_text(20_000, seed)], limit, tok))
     row_len = seq_length + 1
-    if min_length > row_len:
-        raise ValueError(f"--min-length {min_length} exceeds a row of {row_len} tokens")
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    jobs = [(seed, r, row_len, min_length, prose_share, pad) for r in range(rows)]
+    cfg = R.RowConfig(row_len=row_len, pad=tok.pad_token_id if tok.pad_token_id is not None else
+                      (tok.eos_token_id or 0), **cfg_kw)
+    if cfg.min_length > row_len:
+        raise ValueError(f"--min-length {cfg.min_length} exceeds a row of {row_len} tokens")
+    limit = max(4 * row_len, 1 << 21)  # enough distinct text that rows rarely repeat a slice
+    streams = tuple(R.stream(t, limit, tok, ending_ids) for t in
+                    (texts, docstrings(texts) or texts, [filler_text(20_000, seed)]))
+    for name, (ids, _) in zip(R.STREAMS, streams):
+        if len(ids) < row_len:
+            raise ValueError(f"the {name} haystack holds {len(ids)} tokens, fewer than one row ({row_len}): give "
+                             "--haystack more documents or lower --seq-length")
+    jobs = [(cfg, seed, r) for r in range(rows)]
     if workers > 1:
         with mp.get_context("fork").Pool(workers, _init, (tok_path, streams)) as pool:
             return pool.map(_row, jobs, chunksize=max(1, rows // (4 * workers)))
@@ -192,13 +91,19 @@ def build_rows(tok_path: str, haystack_jsonl: list[str], seq_length: int, rows: 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokenizer", required=True, help="the instruct model's directory (its chat template)")
+    p.add_argument("--tokenizer", required=True, help="the model's directory (its chat template)")
     p.add_argument("--haystack", required=True, nargs="+", help="jsonl files with a 'text' column (training split)")
     p.add_argument("--seq-length", type=int, required=True, help="rows hold seq_length + 1 tokens")
     p.add_argument("--rows", type=int, required=True, help="rows to write")
     p.add_argument("--output", required=True, help="dataset directory (written to a temp name, then renamed)")
-    p.add_argument("--prose-share", type=float, default=0.3, help="conversations over generated prose (default 0.3)")
-    p.add_argument("--min-length", type=int, default=512, help="shortest conversation in tokens (default 512)")
+    p.add_argument("--min-length", type=int, default=512, help="shortest retrieval conversation in tokens (512)")
+    p.add_argument("--full-share", type=float, default=0.3, help="rows that are one conversation as long as the row")
+    p.add_argument("--raw-share", type=float, default=0.25, help="share of a mixed row that is a raw-text piece")
+    p.add_argument("--raw-label-ratio", type=float, default=1.0,
+                   help="labelled raw-text tokens per labelled reply token in a mixed row (1.0: half the loss)")
+    p.add_argument("--chat-share", type=float, default=0.04, help="share of a mixed row that is short chat")
+    p.add_argument("--haystack-mix", type=float, nargs=3, default=(0.45, 0.35, 0.2), metavar=("CODE", "DOC", "PROSE"),
+                   help="weights of the haystacks: the documents, their docstrings, generated prose")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=max(1, min(16, (mp.cpu_count() or 2) - 1)))
     p.add_argument("--overwrite", action="store_true", help="replace --output if it holds a dataset this tool wrote")
@@ -207,21 +112,28 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import UsageError
     from .packed_data import save_rows
     try:
-        if a.seq_length < 1 or a.rows < 1 or not 0 <= a.prose_share <= 1:
-            raise UsageError("--seq-length and --rows must be >= 1 and --prose-share in [0, 1]")
+        shares = (a.full_share, a.raw_share, a.chat_share)
+        if a.seq_length < 1 or a.rows < 1 or not all(0 <= x <= 1 for x in shares) or a.raw_share + a.chat_share > 0.9:
+            raise UsageError("--seq-length and --rows must be >= 1; --full-share, --raw-share, --chat-share in [0, 1] "
+                             "with --raw-share + --chat-share <= 0.9")
+        if a.raw_label_ratio < 0 or min(a.haystack_mix) < 0 or sum(a.haystack_mix) <= 0:
+            raise UsageError("--raw-label-ratio must be >= 0 and --haystack-mix weights >= 0, not all 0")
         check_output_dataset(a.output, a.overwrite, inputs=tuple(a.haystack) + (a.tokenizer,))
-        rows = build_rows(a.tokenizer, a.haystack, a.seq_length, a.rows, a.seed, a.prose_share, a.min_length,
-                          a.workers)
+        rows = build_rows(a.tokenizer, a.haystack, a.seq_length, a.rows, a.seed, a.workers, min_length=a.min_length,
+                          full_share=a.full_share, raw_share=a.raw_share, raw_label_ratio=a.raw_label_ratio,
+                          chat_share=a.chat_share, mix=tuple(a.haystack_mix))
         save_rows(rows, a.output)
     except (UsageError, ValueError, OSError) as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     trained = sum(sum(t != IGNORE_INDEX for t in r["labels"]) for r in rows)
-    convs = sum(sum(1 for q in r["position_ids"][1:] if q == 0) + 1 for r in rows)
-    print(f"wrote {len(rows)} rows of {a.seq_length + 1} tokens ({convs} documents incl. pads; {trained} trained "
-          f"answer tokens) to {a.output}")
+    docs = sum(sum(1 for q in r["position_ids"][1:] if q == 0) + 1 for r in rows)
+    print(f"wrote {len(rows)} rows of {a.seq_length + 1} tokens ({docs} documents incl. pads; {trained} labelled "
+          f"tokens: replies + raw-text tails) to {a.output}")
     return 0
 
+
+__all__ = ["ChatMarkup", "build_rows", "docstrings", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

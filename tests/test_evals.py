@@ -419,3 +419,48 @@ def test_scripts_end_to_end(tiny, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "eval_needle.py"), "--model", str(tmp_path / "nope")],
                        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_heldout_templates_mode(tiny, tmp_path):
+    """--templates both: the own rows are what --templates own gives; each held-out kind gets its rows, its heatmap,
+    and greedy text equal to HF generate on the prompt HeldoutProbes builds; a distractor's number makes a miss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from easy_context.haystack import heldout, read_haystack
+    base = ["--model", tiny, "--min_context_length", "100", "--max_context_length", "200", "--context_interval", "100",
+            "--depth_interval", "0.5", "--num_samples", "1", "--max_new_tokens", "5", "--parallel_mode",
+            "data_parallel"]
+    own = eval_needle.main(base + ["--output-dir", str(tmp_path / "own")])
+    kinds = ["distract", "code"]
+    both = eval_needle.main(base + ["--output-dir", str(tmp_path / "both"), "--templates", "both",
+                                    "--probe_kinds", *kinds])
+    assert [(r["expected"], r["generated"]) for r in both if r["kind"] == "own"] == \
+        [(r["expected"], r["generated"]) for r in own]
+    held = [r for r in both if r["templates"] == "heldout"]
+    assert [r["kind"] for r in held] == [k for k in kinds for _ in range(6)]
+    header = open(tmp_path / "both" / "needle_model.csv", encoding="utf-8").readline().strip().split(",")
+    assert header[-3:] == ["templates", "kind", "template_id"]
+    for k in kinds:
+        assert os.path.getsize(tmp_path / "both" / f"heatmap_model_{k}.png") > 1000
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    args = eval_needle.parse_args(base + ["--templates", "heldout", "--probe_kinds", *kinds])
+    jobs = eval_needle.build_jobs(args, *eval_needle.check_grid(args))
+    probes = heldout.HeldoutProbes(tok, read_haystack(None), None, 200)
+    for job, row in list(zip(jobs, held))[::5]:
+        p = probes.build(job["kind"], job["length"], job["depth"], job["key"], job["number"], job["distractors"],
+                         rng=random.Random(job["seed"]))
+        assert p.template_id == row["template_id"] == f"heldout/{job['kind']}/0"
+        assert heldout.BY_KIND[job["kind"]].question.format(key=job["key"]).strip() in tok.decode(p.input_ids)
+        assert len(p.wrong) == (2 if job["kind"] == "distract" else 0)
+        ids = torch.tensor([[tok.bos_token_id] + p.input_ids])
+        with torch.no_grad():
+            new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                                 eos_token_id=1, pad_token_id=1)[0, ids.shape[1]:]
+        assert row["generated"] == tok.decode(new, skip_special_tokens=True), (row, job)
+    p = heldout.HeldoutPrompt([], "1234567", ["7654321"], "heldout/distract/0")
+    assert heldout.correct("it is 1234567", p) and not heldout.correct("1234567 or 7654321", p)
+    with pytest.raises(ValueError, match="--probe_kinds: unknown"):
+        eval_needle.check_grid(eval_needle.parse_args(["--templates", "heldout", "--probe_kinds", "nope"]))
+    with pytest.raises(ValueError, match="--mode generate"):
+        eval_needle.check_grid(eval_needle.parse_args(["--templates", "both", "--mode", "teacher_forced"]))

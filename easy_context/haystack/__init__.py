@@ -88,7 +88,7 @@ class NeedlePrompt:
 class NeedleHaystack:
     """Builds needle prompts from one tokenization of the haystack."""
 
-    def __init__(self, tokenizer, text: str, max_context_length: int):
+    def __init__(self, tokenizer, text: str, max_context_length: int, ends=(".", "!", "?")):
         self.tok = tokenizer
         base = _ids(tokenizer, text)
         if not base:
@@ -97,7 +97,7 @@ class NeedleHaystack:
         self.ids = (base * max(1, reps))[:max(max_context_length, 1)]
         # Sentence ends from the tokenizer itself: any token whose text ends in . ! or ? (after stripping
         # whitespace) - works for SentencePiece ("▁."), byte-level BPE (".", ".\n") and the rest.
-        ends = ending_ids(tokenizer, self.ids, (".", "!", "?"))
+        ends = ending_ids(tokenizer, self.ids, ends)  # ("\n",): line ends (a code haystack)
         self.sentence_ends = [j + 1 for j, t in enumerate(self.ids) if t in ends]  # insert after the period
         enc = tokenizer(PREFIX)["input_ids"]  # keeps the BOS the tokenizer adds, like EasyContext
         self.prefix_ids = list(enc)
