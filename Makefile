@@ -38,7 +38,7 @@ $(OPS): $(STAMP)
 # A failed fetch does not stop `make test`: those tests then fail with the reason (the fixtures fetch again).
 MODELS  := .cache/smollm2/hf/model.safetensors .cache/gemma3/hf/model.safetensors
 .cache/%/hf/model.safetensors: | $(STAMP)
-	-$(VPY) -m easy_context fetch-$* .cache/$* --convert
+	-$(VPY) -m easy_context_train fetch-$* .cache/$* --convert
 
 # The default run keeps one representative per mode x feature (docs/testing.md); `slow` marks the rest.
 test: $(OPS) $(MODELS)

@@ -181,3 +181,17 @@ def test_missing_command_module_is_reported(monkeypatch, capsys):
     monkeypatch.setitem(entry.COMMANDS, "plan", ("easy_context.tools.no_such_tool", "x"))
     assert entry.main(["plan"]) == 2
     assert "not available" in capsys.readouterr().err
+
+
+def test_train_commands_have_their_own_door(capsys):
+    """#61: the recipe's commands live behind `python -m easy_context_train`; the old spelling runs them after one
+    line saying where they went, and the library's door lists only its own tools."""
+    import easy_context.__main__ as lib
+    import easy_context_train.__main__ as train
+    assert lib.main(["--help"]) == 0 and "retrieval-data" not in capsys.readouterr().out
+    assert train.main(["--help"]) == 0 and "retrieval-data" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:  # argparse's --help
+        lib.main(["faults", "--help"])
+    assert done.value.code == 0
+    err = capsys.readouterr().err
+    assert "moved to `python -m easy_context_train faults`" in err, err

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from easy_context.__main__ import main as cli
+from easy_context_train.__main__ import main as cli
 from easy_context.haystack import filler_text
 from easy_context.loss import IGNORE_INDEX
 from easy_context_train.toy import build_tokenizer
