@@ -1,0 +1,150 @@
+"""Tiny vision-language models and packed text + image + video rows for tests/test_vlm.py (no downloads).
+
+``make_vlm(family)``: a float32 Qwen2.5-VL / Qwen3-VL / Qwen3.5 with a 2-layer vision tower (window attention and a
+full-attention block on Qwen2.5-VL, a deepstack layer on Qwen3-VL) and a 2-layer text model (GQA 4/2, mRoPE sections
+[2, 3, 3] of head_dim 16). ``make_rows(family, docs)``: a batch whose rows pack documents of text, images and videos
+the way the family's processor lays them out (Qwen3-VL / Qwen3.5: a timestamp token and a <vision_start> ...
+<vision_end> group per video frame; Qwen2.5-VL: one group per video), with the pixel rows, grids and per-document
+slices the one-process reference needs.
+"""
+from __future__ import annotations
+
+import torch
+
+VOCAB, IMG, VID, VS, VE = 160, 150, 151, 152, 153
+PATCH = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=50000.0,
+             tie_word_embeddings=False, head_dim=16)
+_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=2,
+               temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+_IDS = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
+
+
+def make_config(family: str):
+    import transformers as tf
+    if family == "qwen2_5_vl":
+        return tf.Qwen2_5_VLConfig(
+            text_config=dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+            vision_config=dict(_VISION, window_size=8, fullatt_block_indexes=[1], tokens_per_second=2), **_IDS)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    if family == "qwen3_vl":
+        return tf.Qwen3VLConfig(text_config=dict(_TEXT, rope_scaling=rope),
+                                vision_config=dict(_VISION, deepstack_visual_indexes=[0], num_position_embeddings=64),
+                                **_IDS)
+    if family == "qwen3_5":  # hybrid: gated DeltaNet then full attention
+        text = dict(_TEXT, rope_parameters=dict(rope, partial_rotary_factor=1.0), layer_types=["linear_attention",
+                    "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4)
+        return tf.Qwen3_5Config(text_config=text, vision_config=dict(_VISION, num_position_embeddings=64), **_IDS)
+    raise ValueError(family)
+
+
+def make_vlm(family: str, seed: int = 0):
+    import transformers as tf
+    cls = {"qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration, "qwen3_vl": tf.Qwen3VLForConditionalGeneration,
+           "qwen3_5": tf.Qwen3_5ForConditionalGeneration}[family]
+    torch.manual_seed(seed)
+    model = cls(make_config(family)).float()
+    with torch.no_grad():  # a non-trivial tower: random (not zero) biases / norms
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model.train()
+
+
+def _text(g, n):
+    return torch.randint(0, 140, (n,), generator=g).tolist()
+
+
+def make_doc(family: str, segments, g):
+    """One document: ``segments`` of ("t", n) / ("img", (h, w)) / ("vid", (t, h, w)) in patches (h, w even)."""
+    frames = family in ("qwen3_vl", "qwen3_5")
+    ids, images, videos = [], [], []
+    for kind, arg in segments:
+        if kind == "t":
+            ids += _text(g, arg)
+        elif kind == "img":
+            h, w = arg
+            ids += [VS] + [IMG] * (h * w // 4) + [VE]
+            images.append((1, h, w))
+        else:
+            t, h, w = arg
+            if frames:  # <t_i> <vs> frame i <ve> per frame (timestamps: one text token here)
+                for _ in range(t):
+                    ids += _text(g, 1) + [VS] + [VID] * (h * w // 4) + [VE]
+            else:
+                ids += [VS] + [VID] * (t * h * w // 4) + [VE]
+            videos.append((t, h, w))
+    return ids, images, videos
+
+
+def make_rows(family: str, rows, seed: int = 1, pad_to: int | None = None):
+    """A batch: ``rows`` = list of rows, each a list of documents (segment lists). Returns a dict with input_ids,
+    position_ids (0.. per document), targets (next token inside a document, -100 elsewhere), pixel_values /
+    image_grid_thw / pixel_values_videos / video_grid_thw (None when absent) and ``docs``: per row the documents'
+    (start, end, image indices, video indices)."""
+    g = torch.Generator().manual_seed(seed)
+    all_ids, all_pos, images, videos, docs = [], [], [], [], []
+    for row in rows:
+        ids, pos, row_docs = [], [], []
+        for seg in row:
+            d_ids, d_img, d_vid = make_doc(family, seg, g)
+            row_docs.append((len(ids), len(ids) + len(d_ids), list(range(len(images), len(images) + len(d_img))),
+                             list(range(len(videos), len(videos) + len(d_vid)))))
+            ids += d_ids
+            pos += list(range(len(d_ids)))
+            images += d_img
+            videos += d_vid
+        all_ids.append(ids)
+        all_pos.append(pos)
+        docs.append(row_docs)
+    n = max(len(r) for r in all_ids) if pad_to is None else pad_to
+    for r, (ids, pos) in enumerate(zip(all_ids, all_pos)):
+        if len(ids) > n:
+            raise ValueError(f"row {r} has {len(ids)} tokens > {n}")
+        if len(ids) < n:  # a filler text document
+            docs[r].append((len(ids), n, [], []))
+            pos += list(range(n - len(ids)))
+            ids += _text(g, n - len(ids))
+    input_ids, position_ids = torch.tensor(all_ids), torch.tensor(all_pos)
+    targets = torch.full_like(input_ids, -100)
+    for r, row_docs in enumerate(docs):
+        for s, e, _, _ in row_docs:
+            targets[r, s:e - 1] = input_ids[r, s + 1:e]
+    targets[(input_ids == IMG) | (input_ids == VID)] = -100  # as a collator masks the placeholders
+    grid_i = torch.tensor(images) if images else None
+    grid_v = torch.tensor(videos) if videos else None
+    pv = torch.randn(int(grid_i.prod(-1).sum()), PATCH, generator=g) if images else None
+    pvv = torch.randn(int(grid_v.prod(-1).sum()), PATCH, generator=g) if videos else None
+    return dict(input_ids=input_ids, position_ids=position_ids, targets=targets, pixel_values=pv,
+                image_grid_thw=grid_i, pixel_values_videos=pvv, video_grid_thw=grid_v, docs=docs)
+
+
+def _rows_of(grid, pixels, idx):
+    """Pixel rows and grid rows of the items ``idx`` (consecutive in the batch) of one modality."""
+    if not idx:
+        return None, None
+    sizes = grid.prod(-1)
+    start = int(sizes[:idx[0]].sum())
+    return pixels[start:start + int(sizes[idx].sum())], grid[idx]
+
+
+def reference(model, batch):
+    """One process, Hugging Face's own path: each document alone (the model builds its positions and encodes its
+    images), so no packing convention is assumed. Returns (logits (B, L, V), NLL sum)."""
+    from easy_context.vlm.positions import token_types
+    ids, tgt = batch["input_ids"], batch["targets"]
+    logits = torch.zeros(*ids.shape, VOCAB)
+    total = 0.0
+    for r, row_docs in enumerate(batch["docs"]):
+        for s, e, img, vid in row_docs:
+            d = ids[r:r + 1, s:e]
+            pv, gi = _rows_of(batch["image_grid_thw"], batch["pixel_values"], img)
+            pvv, gv = _rows_of(batch["video_grid_thw"], batch["pixel_values_videos"], vid)
+            out = model(input_ids=d, pixel_values=pv, image_grid_thw=gi, pixel_values_videos=pvv, video_grid_thw=gv,
+                        mm_token_type_ids=token_types(model.config, d), use_cache=False)
+            logits[r, s:e] = out.logits[0]
+            total = total + torch.nn.functional.cross_entropy(out.logits[0].float(), tgt[r, s:e], ignore_index=-100,
+                                                              reduction="sum")
+    return logits, total
