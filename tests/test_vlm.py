@@ -22,47 +22,59 @@ TWO_ROWS = [[[("t", 3), ("img", (4, 8)), ("t", 5), ("vid", (3, 4, 4)), ("t", 6)]
             [[("t", 4), ("vid", (2, 4, 8)), ("t", 3)], [("t", 2), ("img", (4, 4)), ("t", 9)]]]
 
 
-def check_vlm(rank, world, family, mode, rows, ring_degree=None, vision="local", length=None):
+def check_vlm(rank, world, family, mode, rows, ring_degree=None, vision="local", length=None, dispatch=None,
+              sp_size=None):
+    """One case on the world's ranks (``sp_size``: dp x sp through a ParallelLayout, each dp group its own batch)."""
     import torch.distributed as dist
-    from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
+    from easy_context import ParallelLayout, apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
     from tests.tols import assert_close
     from tests.vlm_models import make_rows, make_vlm, reference
 
-    what = f"{family} {mode} W={world}" + (f" ring {ring_degree}" if ring_degree else "") + f" vision={vision}"
+    what = (f"{family} {mode} W={world}" + (f" ring {ring_degree}" if ring_degree else "") + f" vision={vision}"
+            + (f" dispatch={dispatch}" if dispatch else "") + (f" sp={sp_size}" if sp_size else ""))
+    layout = ParallelLayout.build(mode, sp_size=sp_size, ring_degree=ring_degree) if sp_size else None
+    group, sp, sp_rank = (layout.sp_group, layout.sp, layout.sp_rank) if layout else (None, world, rank)
     ref_model = make_vlm(family)
-    batch = make_rows(family, rows, pad_to=length)
+    batch = make_rows(family, rows, pad_to=length, seed=1 + (layout.dp_rank if layout else 0))
     ref_logits, ref_nll = reference(ref_model, batch)
     n = int((batch["targets"] != -100).sum())
     (ref_nll / n).backward()
 
     model = make_vlm(family)
     kw = {"ring_degree": ring_degree} if ring_degree else {}
-    apply_seq_parallel_monkey_patch(mode, model, **kw)
-    prepared = prepare_seq_parallel_inputs(
-        mode, batch["input_ids"], batch["position_ids"], batch["targets"], rank, world, "cpu", model=model,
-        pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-        pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"], vision=vision, **kw)
+    vlm = dict(model=model, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+               pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"], vision=vision)
+    args = (batch["input_ids"], batch["position_ids"], batch["targets"])
+    if layout is not None:
+        apply_seq_parallel_monkey_patch(model, layout)
+        prepared = layout.prepare_inputs(*args, "cpu", **vlm)
+    else:
+        apply_seq_parallel_monkey_patch(mode, model, **kw)
+        prepared = prepare_seq_parallel_inputs(mode, *args, rank, world, "cpu", dispatch=dispatch, **vlm, **kw)
+    assert prepared["local_position_ids"].shape[:2] == (4, batch["input_ids"].shape[0])
+    if dispatch or layout is not None:
+        assert prepared.model_kwargs.get("sp_dispatch") is not None, f"{what}: packed rows were not dispatched"
     out = model(input_ids=prepared["local_input_ids"], position_ids=prepared["local_position_ids"], use_cache=False,
                 **prepared.model_kwargs)
     local = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), prepared["local_target_ids"].flatten(),
                                               ignore_index=-100, reduction="sum")
     (local / n).backward()
 
-    parts = [torch.empty_like(out.logits) for _ in range(world)]
-    dist.all_gather(parts, out.logits.detach().contiguous())
+    parts = [torch.empty_like(out.logits) for _ in range(sp)]
+    dist.all_gather(parts, out.logits.detach().contiguous(), group=group)
     assert_close(prepared.layout.unshard(parts, dim=1), ref_logits, rel=1e-5, name=f"{what}: logits")
     for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        dist.all_reduce(g)
+        dist.all_reduce(g, group=group)
         assert q.grad is not None, f"{what}: {name} has no reference gradient"
         assert_close(g, q.grad, rel=1e-4, name=f"{what}: grad {name}")
     # the cases cut images across ranks: some unit is encoded by two ranks (and none is lost)
     shard = prepared.model_kwargs["sp_vision"]
     units = torch.tensor([sum(m.units for m in (shard.image, shard.video) if m is not None)])
-    dist.all_reduce(units)
+    dist.all_reduce(units, group=group)
     total = sum(m.total_units for m in (shard.image, shard.video) if m is not None)
     if vision == "local":
-        assert total < int(units) < world * total, f"{what}: {int(units)} units encoded over {world} ranks of {total}"
+        assert total < int(units) < sp * total, f"{what}: {int(units)} units encoded over {sp} ranks of {total}"
     apply_seq_parallel_monkey_patch("data_parallel", model)
     return prepared
 
@@ -76,3 +88,85 @@ def _w2(rank, world):
 
 def test_vlm_equal_one_process_w2():
     run_ranks(_w2, world_size=2, timeout=300)
+
+
+def _qwen35(rank, world):
+    check_vlm(rank, world, "qwen3_5", "zigzag_ring_attn", PACKED, length=80)
+    check_vlm(rank, world, "qwen3_5", "ulysses_attn", TWO_ROWS, length=72)
+
+
+def test_vlm_qwen3_5_hybrid_w2():
+    run_ranks(_qwen35, world_size=2, timeout=300)
+
+
+def _w4(rank, world):
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        check_vlm(rank, world, family, "zigzag_ring_attn", PACKED, length=80)
+        check_vlm(rank, world, family, "usp_attn", TWO_ROWS, ring_degree=2, length=80)
+    check_vlm(rank, world, "qwen2_5_vl", "zigzag_ring_attn", PACKED, length=80, sp_size=2)  # dp 2 x sp 2, dispatched
+
+
+def _w2_more(rank, world):
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        check_vlm(rank, world, family, "dist_flash_attn", TWO_ROWS, length=72)
+        check_vlm(rank, world, family, "zigzag_ring_attn", PACKED, length=80, dispatch="auto")
+        check_vlm(rank, world, family, "usp_attn", PACKED, ring_degree=1, length=80)
+
+
+@pytest.mark.slow
+def test_vlm_equal_one_process_w4():
+    run_ranks(_w4, world_size=4, timeout=900, collective_timeout=120)
+
+
+@pytest.mark.slow
+def test_vlm_more_modes_w2():
+    run_ranks(_w2_more, world_size=2, timeout=600)
+
+
+def _llava():
+    import transformers as tf
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=160)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                  patch_size=4)
+    with torch.device("meta"):
+        return tf.LlavaForConditionalGeneration(tf.LlavaConfig(text_config=tf.LlamaConfig(**text),
+                                                               vision_config=tf.CLIPVisionConfig(**vision)))
+
+
+def test_vlm_patch_routes_the_language_model_only_and_refuses_by_name():
+    """No process group: the checks run before any collective."""
+    from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
+    from easy_context.vlm.positions import token_types
+    from tests.vlm_models import IMG, make_rows, make_vlm
+    with pytest.raises(ValueError, match="LlavaForConditionalGeneration .*supported VLM families: qwen2_5_vl"):
+        apply_seq_parallel_monkey_patch("zigzag_ring_attn", _llava())
+    model = make_vlm("qwen3_vl")
+    tower = model.model.visual.config._attn_implementation
+    apply_seq_parallel_monkey_patch("ulysses_attn", model)
+    assert model.model.language_model.config._attn_implementation.startswith("easy_context_ulysses_attn")
+    assert model.model.visual.config._attn_implementation == tower  # the tower keeps its own attention
+    batch = make_rows("qwen3_vl", PACKED, pad_to=80)
+    ids = batch["input_ids"]
+    with pytest.raises(ValueError, match="pixel_values passed to a sequence-parallel VLM"):
+        model(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    with pytest.raises(ValueError, match="placeholder tokens but the call carries no sp_vision"):
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match="without model="):
+        prepare_seq_parallel_inputs("ulysses_attn", ids, None, None, 0, 2, "cpu", pixel_values=batch["pixel_values"],
+                                    image_grid_thw=batch["image_grid_thw"])
+    with pytest.raises(ValueError, match="image placeholder tokens .* but no image_grid_thw"):
+        prepare_seq_parallel_inputs("ulysses_attn", ids, None, None, 0, 2, "cpu", model=model)
+    bad = ids.clone()
+    bad[0, (bad[0] == IMG).nonzero()[0]] = 5  # one placeholder fewer: a group no longer matches its grid
+    with pytest.raises(ValueError, match="placeholder tokens where grid"):
+        prepare_seq_parallel_inputs("ulysses_attn", bad, batch["position_ids"], None, 0, 2, "cpu", model=model,
+                                    pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                                    pixel_values_videos=batch["pixel_values_videos"],
+                                    video_grid_thw=batch["video_grid_thw"])
+    apply_seq_parallel_monkey_patch("data_parallel", model)
+    assert model.model.language_model.config._attn_implementation == tower
+    out = model(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"],
+                mm_token_type_ids=token_types(model.config, ids))
+    assert out.logits.shape == (1, 80, 160)
