@@ -170,3 +170,36 @@ def test_vlm_patch_routes_the_language_model_only_and_refuses_by_name():
                 pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"],
                 mm_token_type_ids=token_types(model.config, ids))
     assert out.logits.shape == (1, 80, 160)
+
+
+# ---------------------------------------------------------------- the Trainer (tests/vlm_trainer_cases.py)
+TRAINER_CASES = {  # name -> (family, sp options, lora)
+    "qwen2_5_vl_zigzag": ("qwen2_5_vl", {"mode": "zigzag_ring_attn"}, False),
+    "qwen3_vl_ulysses_lora": ("qwen3_vl", {"mode": "ulysses_attn", "chunked_loss": True}, True),
+}
+
+
+def _trainer_refs(rank, world, root, names):
+    from tests import vlm_trainer_cases as tc
+    refs = {n: tc.run(TRAINER_CASES[n][0], f"{root}/ref-{n}", lora=TRAINER_CASES[n][2]) for n in names}
+    torch.save(refs, f"{root}/refs.pt")
+
+
+def _trainer_sp(rank, world, root, names):
+    from tests import vlm_trainer_cases as tc
+    from tests.tols import assert_close
+    refs = torch.load(f"{root}/refs.pt")
+    for name in names:
+        family, sp, lora = TRAINER_CASES[name]
+        got, ref = tc.run(family, f"{root}/w{world}-{name}-r{rank}", sp=sp, lora=lora), refs[name]
+        assert len(got["loss"]) == len(ref["loss"]) == tc.STEPS, f"{name}: {got['loss']} vs {ref['loss']}"
+        assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rel=1e-4, name=f"{name}: loss curve")
+        assert set(got["weights"]) == set(ref["weights"]), f"{name}: trainable parameters differ"
+        for k, w in ref["weights"].items():
+            assert_close(got["weights"][k], w, rel=1e-4, name=f"{name}: weight {k}")
+
+
+def test_vlm_trainer_equals_one_process(tmp_path):
+    names = list(TRAINER_CASES)
+    run_ranks(_trainer_refs, world_size=1, args=(str(tmp_path), names), timeout=300)
+    run_ranks(_trainer_sp, world_size=2, args=(str(tmp_path), names), timeout=400)
