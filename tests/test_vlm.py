@@ -84,6 +84,7 @@ def _w2(rank, world):
         check_vlm(rank, world, family, "zigzag_ring_attn", PACKED, length=80)
         check_vlm(rank, world, family, "ulysses_attn", TWO_ROWS, length=72)
     check_vlm(rank, world, "qwen3_vl", "zigzag_ring_attn", TWO_ROWS, vision="all", length=72)
+    check_vlm(rank, world, "qwen3_5", "zigzag_ring_attn", PACKED, length=80)  # hybrid: gated DeltaNet + attention
 
 
 def test_vlm_equal_one_process_w2():
@@ -91,10 +92,11 @@ def test_vlm_equal_one_process_w2():
 
 
 def _qwen35(rank, world):
-    check_vlm(rank, world, "qwen3_5", "zigzag_ring_attn", PACKED, length=80)
     check_vlm(rank, world, "qwen3_5", "ulysses_attn", TWO_ROWS, length=72)
+    check_vlm(rank, world, "qwen3_5", "usp_attn", PACKED, ring_degree=1, length=80, dispatch="auto")
 
 
+@pytest.mark.slow
 def test_vlm_qwen3_5_hybrid_w2():
     run_ranks(_qwen35, world_size=2, timeout=300)
 
@@ -199,7 +201,33 @@ def _trainer_sp(rank, world, root, names):
             assert_close(got["weights"][k], w, rel=1e-4, name=f"{name}: weight {k}")
 
 
+@pytest.mark.slow  # the SFTTrainer example below is the default run's Trainer case
 def test_vlm_trainer_equals_one_process(tmp_path):
     names = list(TRAINER_CASES)
     run_ranks(_trainer_refs, world_size=1, args=(str(tmp_path), names), timeout=300)
     run_ranks(_trainer_sp, world_size=2, args=(str(tmp_path), names), timeout=400)
+
+
+# ---------------------------------------------------------------- the example, run as written (docs/vlm.md)
+VLM_SFT = ["examples/vlm_sft_sp.py", "--tiny"]
+
+
+def test_vlm_sft_example_equals_one_process(tmp_path):
+    """torchrun --nproc_per_node 2 examples/vlm_sft_sp.py --tiny --mode zigzag_ring_attn: trl.SFTTrainer with its
+    vision collator (padded rows, images of several sizes) against the same SFTTrainer on one process."""
+    from tests.test_examples import _Launch, _results, _same
+    ref_launch = _Launch(VLM_SFT + ["--no-sp", "--output-dir", str(tmp_path / "ref")], tmp_path / "ref.pt")
+    zz, ref = _results(_Launch(VLM_SFT + ["--mode", "zigzag_ring_attn", "--output-dir", str(tmp_path / "zz")],
+                               tmp_path / "zz.pt", nproc=2), ref_launch)
+    assert ref["loss"][-1] < ref["loss"][0]  # it trains
+    _same(zz, ref, "VLM SFTTrainer zigzag_ring_attn, 2 ranks")
+
+
+@pytest.mark.slow
+def test_vlm_sft_example_ulysses_lora(tmp_path):
+    from tests.test_examples import _Launch, _results, _same
+    cmd = VLM_SFT + ["--lora-rank", "8"]
+    ref_launch = _Launch(cmd + ["--no-sp", "--output-dir", str(tmp_path / "ref")], tmp_path / "ref.pt")
+    got, ref = _results(_Launch(cmd + ["--mode", "ulysses_attn", "--output-dir", str(tmp_path / "u")],
+                                tmp_path / "u.pt", nproc=2), ref_launch)
+    _same(got, ref, "VLM SFTTrainer ulysses_attn, LoRA r8 on the language model, 2 ranks")

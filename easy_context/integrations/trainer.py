@@ -244,7 +244,8 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
             handler.find_unused_parameters = False
     layout = ParallelLayout.build(opts.mode, sp_size=opts.sp_size, ring_degree=opts.ring_degree)  # collective
     layout.dispatch_window = attention_window(config)  # packed rows: dispatch costs capped by the model's window
-    if layout.mode.is_parallel:
+    from ..vlm.families import is_vlm
+    if layout.mode.is_parallel or is_vlm(base):  # a VLM under data_parallel: the route of its cut batches' vision
         apply_seq_parallel_monkey_patch(base, layout)
     if opts.checkpointing is not None or opts.tiled_mlp or opts.head_chunks > 1:
         configure_memory(base, checkpointing=opts.checkpointing or "none", offload_every_k=opts.offload_every_k,
@@ -257,7 +258,6 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     pad = getattr(tok, "pad_token_id", None)
     pad = pad if pad is not None else getattr(tok, "eos_token_id", None)
     trainer._ec_opts, trainer._ec_layout, trainer._ec_pad_id = opts, layout, int(pad or 0)
-    from ..vlm.families import is_vlm
     trainer._ec_vlm = base if is_vlm(base) else None  # VLM batches: vision inputs cut with the rows (vlm/batches.py)
     # the loss is normalised over the whole window here: the Trainer must not divide it by GA (and older
     # Trainers read model_accepts_loss_kwargs for the same decision)

@@ -24,11 +24,15 @@ _ATTR = "_easy_context_vlm_hook"
 class _RouteVision:
     """The VLM's forward pre-hook (an object, so a deep copy of the model routes the copy's tower)."""
 
-    def __init__(self, inner, mode_name: str):
-        self.inner, self.mode_name = inner, mode_name
+    def __init__(self, inner, mode_name: str, strict: bool):
+        self.inner, self.mode_name, self.strict = inner, mode_name, strict
 
     def __call__(self, module, args, kwargs):
         vision = kwargs.pop(VISION_KWARG, None)
+        if not self.strict:  # data_parallel: the model as it is, plus the route of a cut batch's vision work
+            if vision is not None:
+                kwargs["mm_encoder_outputs"] = vision.encoder_outputs(self.inner)
+            return args, kwargs
         for key in ("pixel_values", "pixel_values_videos"):
             if kwargs.get(key) is not None:
                 raise ValueError(
@@ -56,7 +60,8 @@ class _RouteVision:
 
 def patch_vlm(mode, model, groups: dict, require: bool, patch_instance):
     """Route ``model``'s language model through ``mode`` (``patch_instance``: hf/patch.py's instance patch) and
-    install the vision route; ``data_parallel`` puts both back. Returns the model."""
+    install the vision route; ``data_parallel`` puts the attention back and keeps only the route of ``sp_vision``
+    (a batch cut by the Trainer integration under data_parallel carries it). Returns the model."""
     handle = getattr(model, _ATTR, None)
     if handle is not None:
         handle.remove()
@@ -68,8 +73,8 @@ def patch_vlm(mode, model, groups: dict, require: bool, patch_instance):
     if text is None:  # data_parallel on an unsupported VLM: nothing of ours is on it
         return model
     patch_instance(mode, text, groups, require)
-    if mode.is_parallel:
-        setattr(model, _ATTR, model.register_forward_pre_hook(_RouteVision(inner, mode.name), with_kwargs=True))
+    route = _RouteVision(inner, mode.name, strict=mode.is_parallel)
+    setattr(model, _ATTR, model.register_forward_pre_hook(route, with_kwargs=True))
     return model
 
 
