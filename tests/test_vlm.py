@@ -93,7 +93,7 @@ def test_vlm_equal_one_process_w2():
 
 def _qwen35(rank, world):
     check_vlm(rank, world, "qwen3_5", "ulysses_attn", TWO_ROWS, length=72)
-    check_vlm(rank, world, "qwen3_5", "usp_attn", PACKED, ring_degree=1, length=80, dispatch="auto")
+    check_vlm(rank, world, "qwen3_5", "zigzag_ring_attn", PACKED, length=80, dispatch="auto")
 
 
 @pytest.mark.slow

@@ -148,3 +148,49 @@ def reference(model, batch):
             total = total + torch.nn.functional.cross_entropy(out.logits[0].float(), tgt[r, s:e], ignore_index=-100,
                                                               reduction="sum")
     return logits, total
+
+
+def vision_cost(worlds=(2, 4, 8), frames: int = 32, side: int = 16, repeat: int = 3) -> list[dict]:
+    """The two vision strategies on one process, per sp size: patch rows a rank encodes and the slowest rank's
+    encode forward + backward time (min of ``repeat``), for a row of text + a video of ``frames`` frames of
+    ``side`` x ``side`` patches + 4 images, cut by zigzag. Run: python -m tests.vlm_models (docs/vlm.md)."""
+    import time
+    from easy_context import prepare_seq_parallel_inputs
+    import transformers as tf
+    cfg = make_config("qwen2_5_vl")
+    cfg.vision_config.depth, cfg.vision_config.hidden_size, cfg.vision_config.intermediate_size = 4, 128, 256
+    torch.manual_seed(0)
+    model = tf.Qwen2_5_VLForConditionalGeneration(cfg).float()
+    doc = [("t", 16), ("vid", (frames, side, side))] + [x for _ in range(4) for x in (("t", 8), ("img", (side, side)))]
+    batch = make_rows("qwen2_5_vl", [[doc]])
+    n = batch["input_ids"].shape[1]
+    length = n + (-n % 64)
+    batch = make_rows("qwen2_5_vl", [[doc]], pad_to=length)
+    out = []
+    for world in worlds:
+        for strategy in ("local", "all"):
+            rows, secs = [], []
+            for rank in range(world):
+                p = prepare_seq_parallel_inputs("zigzag_ring_attn", batch["input_ids"], batch["position_ids"], None,
+                                                rank, world, "cpu", model=model, vision=strategy,
+                                                **{k: batch[k] for k in ("pixel_values", "image_grid_thw",
+                                                                         "pixel_values_videos", "video_grid_thw")})
+                shard = p.model_kwargs["sp_vision"]
+                rows.append(sum(m.pixels.shape[0] for m in (shard.image, shard.video) if m is not None))
+                best = float("inf")
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    enc = shard.encoder_outputs(model.model)
+                    sum(v.pooler_output[0].sum() for v in enc.values()).backward()
+                    best = min(best, time.perf_counter() - t0)
+                secs.append(best)
+            out.append(dict(world=world, strategy=strategy, tokens=length, rows_max=max(rows),
+                            rows_total=int(batch["pixel_values_videos"].shape[0] + batch["pixel_values"].shape[0]),
+                            slowest_s=max(secs)))
+    return out
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    for r in vision_cost():
+        print(r)
