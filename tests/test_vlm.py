@@ -113,6 +113,14 @@ def _w2_more(rank, world):
         check_vlm(rank, world, family, "dist_flash_attn", TWO_ROWS, length=72)
         check_vlm(rank, world, family, "zigzag_ring_attn", PACKED, length=80, dispatch="auto")
         check_vlm(rank, world, family, "usp_attn", PACKED, ring_degree=1, length=80)
+    import os
+    os.environ["EASY_CONTEXT_PAIRS_MIN_CHUNK"] = "4"  # packed rows in the k-pair zigzag (k = 80 / (4 * 2 * 4) > 1)
+    try:
+        prepared = check_vlm(rank, world, "qwen3_vl", "zigzag_ring_attn", PACKED, length=80)
+        from easy_context.sharding import layout_pairs
+        assert layout_pairs(prepared.layout.positions, 80, world) > 1
+    finally:
+        del os.environ["EASY_CONTEXT_PAIRS_MIN_CHUNK"]
 
 
 @pytest.mark.slow
@@ -231,3 +239,26 @@ def test_vlm_sft_example_ulysses_lora(tmp_path):
     got, ref = _results(_Launch(cmd + ["--mode", "ulysses_attn", "--output-dir", str(tmp_path / "u")],
                                 tmp_path / "u.pt", nproc=2), ref_launch)
     _same(got, ref, "VLM SFTTrainer ulysses_attn, LoRA r8 on the language model, 2 ranks")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_shard_without_placeholders_still_runs_the_tower(family):
+    """A rank whose shard holds no image / video token of a batch that has some encodes one unit and keeps none of
+    it: the forward is the text-only one and every tower parameter gets a (zero) gradient, so DDP's reducer, which
+    waits for every parameter, is not left hanging."""
+    from easy_context.vlm.vision import vision_shard
+    from tests.vlm_models import make_rows, make_vlm
+    model = make_vlm(family)
+    batch = make_rows(family, PACKED, pad_to=80)
+    ids = batch["input_ids"]
+    text = slice(0, 5)  # the first document's leading text
+    shard = vision_shard(model.config, ids, lambda t: t[..., text], batch["pixel_values"], batch["image_grid_thw"],
+                         batch["pixel_values_videos"], batch["video_grid_thw"])
+    assert shard.image.units == shard.video.units == 1 and len(shard.image.take) == len(shard.video.take) == 0
+    pos = torch.arange(5).expand(4, 1, 5)
+    out = model(input_ids=ids[:, text], position_ids=pos, mm_encoder_outputs=shard.encoder_outputs(model.model))
+    plain = model(input_ids=ids[:, text], position_ids=pos)
+    torch.testing.assert_close(out.logits, plain.logits, rtol=0, atol=0)
+    out.logits.sum().backward()
+    tower = [p.grad for p in model.model.visual.parameters()]
+    assert all(g is not None and not bool(g.any()) for g in tower)

@@ -62,7 +62,8 @@ def mrope_positions(model, family, input_ids, doc_positions, image_grid_thw=None
     config = model.config
     merge = config.vision_config.spatial_merge_size
     types = token_types(config, input_ids) if mm_token_type_ids is None else mm_token_type_ids.to(torch.int)
-    grids = {IMAGE: group_grids(family, image_grid_thw), VIDEO: group_grids(family, video_grid_thw)}
+    cpu = (lambda g: None if g is None else g.detach().cpu().long())
+    grids = {IMAGE: group_grids(family, cpu(image_grid_thw)), VIDEO: group_grids(family, cpu(video_grid_thw))}
     used = {IMAGE: 0, VIDEO: 0}
     secs = None if second_per_grid_ts is None else torch.as_tensor(second_per_grid_ts).flatten()
     out = torch.zeros(4, *input_ids.shape, dtype=torch.long)
