@@ -119,6 +119,10 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
     needs no other argument. ``dispatch="auto"`` deals them in cost-balanced chunks instead (dispatch/plan.py; what
     train.py and the Trainer integration do; ``dispatch=`` a table uses that one): then pass
     ``**prepared.model_kwargs`` to the model, the table's one route to the attention.
+
+    A vision-language model's batch (``model=``, ``pixel_values=``, ``image_grid_thw=``, ``pixel_values_videos=``,
+    ``video_grid_thw=``, ...; docs/vlm.md): ``local_position_ids`` is (4, B, L_local), text + mRoPE positions of the
+    whole rows cut alike, and ``model_kwargs`` carries this rank's vision work.
     """
     from .batch_layout import BatchLayout, SeqParallelInputs
     mode = get_mode(seq_algo)
