@@ -262,3 +262,14 @@ def test_a_shard_without_placeholders_still_runs_the_tower(family):
     out.logits.sum().backward()
     tower = [p.grad for p in model.model.visual.parameters()]
     assert all(g is not None and not bool(g.any()) for g in tower)
+
+
+def _more_families(rank, world):
+    for family in ("qwen2_vl", "qwen3_vl_moe"):
+        check_vlm(rank, world, family, "zigzag_ring_attn", PACKED, length=80)
+        check_vlm(rank, world, family, "ulysses_attn", TWO_ROWS, length=72)
+
+
+@pytest.mark.slow
+def test_vlm_qwen2_vl_and_qwen3_vl_moe_w2():
+    run_ranks(_more_families, world_size=2, timeout=400)

@@ -13,7 +13,7 @@ import torch
 
 VOCAB, IMG, VID, VS, VE = 160, 150, 151, 152, 153
 PATCH = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen2_vl", "qwen3_vl_moe")
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096, rope_theta=50000.0,
              tie_word_embeddings=False, head_dim=16)
@@ -33,6 +33,16 @@ def make_config(family: str):
         return tf.Qwen3VLConfig(text_config=dict(_TEXT, rope_scaling=rope),
                                 vision_config=dict(_VISION, deepstack_visual_indexes=[0], num_position_embeddings=64),
                                 **_IDS)
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=2,
+                      temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+        return tf.Qwen2VLConfig(text_config=dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                                vision_config=vision, **_IDS)
+    if family == "qwen3_vl_moe":
+        text = dict(_TEXT, rope_scaling=rope, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    decoder_sparse_step=1)
+        return tf.Qwen3VLMoeConfig(text_config=text, vision_config=dict(_VISION, deepstack_visual_indexes=[0],
+                                                                        num_position_embeddings=64), **_IDS)
     if family == "qwen3_5":  # hybrid: gated DeltaNet then full attention
         text = dict(_TEXT, rope_parameters=dict(rope, partial_rotary_factor=1.0), layer_types=["linear_attention",
                     "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -44,7 +54,8 @@ def make_config(family: str):
 def make_vlm(family: str, seed: int = 0):
     import transformers as tf
     cls = {"qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration, "qwen3_vl": tf.Qwen3VLForConditionalGeneration,
-           "qwen3_5": tf.Qwen3_5ForConditionalGeneration}[family]
+           "qwen3_5": tf.Qwen3_5ForConditionalGeneration, "qwen2_vl": tf.Qwen2VLForConditionalGeneration,
+           "qwen3_vl_moe": tf.Qwen3VLMoeForConditionalGeneration}[family]
     torch.manual_seed(seed)
     model = cls(make_config(family)).float()
     with torch.no_grad():  # a non-trivial tower: random (not zero) biases / norms
@@ -59,7 +70,7 @@ def _text(g, n):
 
 def make_doc(family: str, segments, g):
     """One document: ``segments`` of ("t", n) / ("img", (h, w)) / ("vid", (t, h, w)) in patches (h, w even)."""
-    frames = family in ("qwen3_vl", "qwen3_5")
+    frames = family in ("qwen3_vl", "qwen3_5", "qwen3_vl_moe")
     ids, images, videos = [], [], []
     for kind, arg in segments:
         if kind == "t":

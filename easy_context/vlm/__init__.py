@@ -1,4 +1,4 @@
-"""Vision-language models under sequence parallelism (docs/vlm.md): Qwen2.5-VL, Qwen3-VL, Qwen3.5.
+"""Vision-language models under sequence parallelism (docs/vlm.md): Qwen2(.5)-VL, Qwen3-VL (+ MoE), Qwen3.5.
 
     apply_seq_parallel_monkey_patch("zigzag_ring_attn", vlm)        # the language model's attention; the tower as is
     prepared = prepare_seq_parallel_inputs("zigzag_ring_attn", ids, pos, labels, rank, world, device, model=vlm,

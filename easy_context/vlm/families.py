@@ -32,6 +32,8 @@ _TABLE = (
     VLMFamily("qwen2_5_vl", frames_are_groups=False, video_seconds=True),
     VLMFamily("qwen3_vl", frames_are_groups=True, deepstack=True),
     VLMFamily("qwen3_5", frames_are_groups=True),
+    VLMFamily("qwen2_vl", frames_are_groups=False),
+    VLMFamily("qwen3_vl_moe", frames_are_groups=True, deepstack=True),
 )
 VLM_FAMILIES: dict[str, VLMFamily] = {f.model_type: f for f in _TABLE}
 
