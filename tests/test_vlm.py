@@ -183,15 +183,21 @@ def test_vlm_patch_routes_the_language_model_only_and_refuses_by_name():
 
 
 # ---------------------------------------------------------------- the Trainer (tests/vlm_trainer_cases.py)
-TRAINER_CASES = {  # name -> (family, sp options, lora)
+TRAINER_CASES = {  # name -> (family, sp options, lora[, more TrainingArguments])
     "qwen2_5_vl_zigzag": ("qwen2_5_vl", {"mode": "zigzag_ring_attn"}, False),
     "qwen3_vl_ulysses_lora": ("qwen3_vl", {"mode": "ulysses_attn", "chunked_loss": True}, True),
+    "qwen3_vl_zigzag_ckpt": ("qwen3_vl", {"mode": "zigzag_ring_attn"}, False,
+                             {"gradient_checkpointing": True, "ddp_find_unused_parameters": False}),
 }
+
+
+def _more(name) -> dict:
+    return TRAINER_CASES[name][3] if len(TRAINER_CASES[name]) > 3 else {}
 
 
 def _trainer_refs(rank, world, root, names):
     from tests import vlm_trainer_cases as tc
-    refs = {n: tc.run(TRAINER_CASES[n][0], f"{root}/ref-{n}", lora=TRAINER_CASES[n][2]) for n in names}
+    refs = {n: tc.run(TRAINER_CASES[n][0], f"{root}/ref-{n}", lora=TRAINER_CASES[n][2], **_more(n)) for n in names}
     torch.save(refs, f"{root}/refs.pt")
 
 
@@ -200,8 +206,8 @@ def _trainer_sp(rank, world, root, names):
     from tests.tols import assert_close
     refs = torch.load(f"{root}/refs.pt")
     for name in names:
-        family, sp, lora = TRAINER_CASES[name]
-        got, ref = tc.run(family, f"{root}/w{world}-{name}-r{rank}", sp=sp, lora=lora), refs[name]
+        family, sp, lora = TRAINER_CASES[name][:3]
+        got, ref = tc.run(family, f"{root}/w{world}-{name}-r{rank}", sp=sp, lora=lora, **_more(name)), refs[name]
         assert len(got["loss"]) == len(ref["loss"]) == tc.STEPS, f"{name}: {got['loss']} vs {ref['loss']}"
         assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rel=1e-4, name=f"{name}: loss curve")
         assert set(got["weights"]) == set(ref["weights"]), f"{name}: trainable parameters differ"

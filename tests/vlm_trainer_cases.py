@@ -64,7 +64,7 @@ def lora_config():
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=r".*language_model.*\.(q_proj|v_proj|o_proj)")
 
 
-def run(family: str, out: str, sp: dict | None = None, lora: bool = False) -> dict:
+def run(family: str, out: str, sp: dict | None = None, lora: bool = False, **args_kw) -> dict:
     """Train STEPS optimizer steps (GA 2); returns {"loss": curve, "weights": trainable parameters}."""
     from transformers import Trainer, TrainingArguments
     from easy_context.integrations import enable_sequence_parallel
@@ -80,7 +80,7 @@ def run(family: str, out: str, sp: dict | None = None, lora: bool = False) -> di
                              gradient_accumulation_steps=GA, learning_rate=LR, lr_scheduler_type="constant",
                              warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
                              seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0,
-                             remove_unused_columns=False)
+                             remove_unused_columns=False, **args_kw)
     trainer = Trainer(model=model, args=args, train_dataset=examples(family), data_collator=collate)
     if sp is not None:
         enable_sequence_parallel(trainer, **sp)

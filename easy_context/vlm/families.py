@@ -12,7 +12,6 @@ A VLM here is a transformers model whose config has a ``vision_config``. The sup
 
 ``frames_are_groups``: the family's token stream puts each video frame in its own <vision_start> ... <vision_end>
 group (Qwen3-VL, Qwen3.5: timestamps between frames); Qwen2(.5)-VL holds a whole video in one group.
-``deepstack``: the vision tower also returns features added to early decoder layers at the visual tokens (Qwen3-VL).
 """
 from __future__ import annotations
 
@@ -24,16 +23,15 @@ from dataclasses import dataclass
 class VLMFamily:
     model_type: str
     frames_are_groups: bool
-    deepstack: bool = False
     video_seconds: bool = False  # get_rope_index takes second_per_grid_ts (Qwen2.5-VL's absolute time)
 
 
 _TABLE = (
     VLMFamily("qwen2_5_vl", frames_are_groups=False, video_seconds=True),
-    VLMFamily("qwen3_vl", frames_are_groups=True, deepstack=True),
+    VLMFamily("qwen3_vl", frames_are_groups=True),
     VLMFamily("qwen3_5", frames_are_groups=True),
     VLMFamily("qwen2_vl", frames_are_groups=False),
-    VLMFamily("qwen3_vl_moe", frames_are_groups=True, deepstack=True),
+    VLMFamily("qwen3_vl_moe", frames_are_groups=True),
 )
 VLM_FAMILIES: dict[str, VLMFamily] = {f.model_type: f for f in _TABLE}
 
