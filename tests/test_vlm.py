@@ -43,7 +43,8 @@ def check_vlm(rank, world, family, mode, rows, ring_degree=None, vision="local",
     model = make_vlm(family)
     kw = {"ring_degree": ring_degree} if ring_degree else {}
     vlm = dict(model=model, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-               pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"], vision=vision)
+               pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"], vision=vision,
+               second_per_grid_ts=batch["second_per_grid_ts"])
     args = (batch["input_ids"], batch["position_ids"], batch["targets"])
     if layout is not None:
         apply_seq_parallel_monkey_patch(model, layout)

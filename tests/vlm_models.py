@@ -128,8 +128,11 @@ def make_rows(family: str, rows, seed: int = 1, pad_to: int | None = None):
     grid_v = torch.tensor(videos) if videos else None
     pv = torch.randn(int(grid_i.prod(-1).sum()), PATCH, generator=g) if images else None
     pvv = torch.randn(int(grid_v.prod(-1).sum()), PATCH, generator=g) if videos else None
+    # Qwen2.5-VL spaces a video's temporal positions by its seconds per frame (tokens_per_second 2 here)
+    secs = torch.tensor([0.5 + 1.5 * i for i in range(len(videos))]) if videos and family == "qwen2_5_vl" else None
     return dict(input_ids=input_ids, position_ids=position_ids, targets=targets, pixel_values=pv,
-                image_grid_thw=grid_i, pixel_values_videos=pvv, video_grid_thw=grid_v, docs=docs)
+                image_grid_thw=grid_i, pixel_values_videos=pvv, video_grid_thw=grid_v, second_per_grid_ts=secs,
+                docs=docs)
 
 
 def _rows_of(grid, pixels, idx):
@@ -153,8 +156,10 @@ def reference(model, batch):
             d = ids[r:r + 1, s:e]
             pv, gi = _rows_of(batch["image_grid_thw"], batch["pixel_values"], img)
             pvv, gv = _rows_of(batch["video_grid_thw"], batch["pixel_values_videos"], vid)
+            secs = batch["second_per_grid_ts"]
+            extra = {} if secs is None or not vid else {"second_per_grid_ts": secs[vid]}
             out = model(input_ids=d, pixel_values=pv, image_grid_thw=gi, pixel_values_videos=pvv, video_grid_thw=gv,
-                        mm_token_type_ids=token_types(model.config, d), use_cache=False)
+                        mm_token_type_ids=token_types(model.config, d), use_cache=False, **extra)
             logits[r, s:e] = out.logits[0]
             total = total + torch.nn.functional.cross_entropy(out.logits[0].float(), tgt[r, s:e], ignore_index=-100,
                                                               reduction="sum")
