@@ -166,6 +166,12 @@ def test_vlm_patch_routes_the_language_model_only_and_refuses_by_name():
     with pytest.raises(ValueError, match="without model="):
         prepare_seq_parallel_inputs("ulysses_attn", ids, None, None, 0, 2, "cpu", pixel_values=batch["pixel_values"],
                                     image_grid_thw=batch["image_grid_thw"])
+    with pytest.raises(ValueError, match="model=.* is for vision-language models; LlamaForCausalLM"):
+        import transformers as tf
+        with torch.device("meta"):
+            llama = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                       num_attention_heads=4, vocab_size=160))
+        prepare_seq_parallel_inputs("ulysses_attn", ids, None, None, 0, 2, "cpu", model=llama)
     with pytest.raises(ValueError, match="image placeholder tokens .* but no image_grid_thw"):
         prepare_seq_parallel_inputs("ulysses_attn", ids, None, None, 0, 2, "cpu", model=model)
     bad = ids.clone()

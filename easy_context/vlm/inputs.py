@@ -52,6 +52,11 @@ class VLMRows:
         if (has_vision or pixel_values is not None or pixel_values_videos is not None) and model is None:
             raise ValueError("prepare_seq_parallel_inputs got vision inputs without model=: pass model= the "
                              "vision-language model (its get_rope_index builds the 3-D positions of the whole rows)")
+        if model is not None:
+            from .families import is_vlm
+            if not is_vlm(model):
+                raise ValueError(f"prepare_seq_parallel_inputs(model=...) is for vision-language models; "
+                                 f"{type(model).__name__} has no vision_config (a text model needs no model=)")
         b, n = input_ids.shape
         if position_ids is not None and position_ids.dim() == 3:
             if position_ids.shape[0] not in (3, 4) or tuple(position_ids.shape[1:]) != (b, n):
