@@ -191,7 +191,7 @@ def test_vlm_patch_routes_the_language_model_only_and_refuses_by_name():
 
 # ---------------------------------------------------------------- the Trainer (tests/vlm_trainer_cases.py)
 TRAINER_CASES = {  # name -> (family, sp options, lora[, more TrainingArguments])
-    "qwen2_5_vl_zigzag": ("qwen2_5_vl", {"mode": "zigzag_ring_attn"}, False),
+    "qwen2_5_vl_zigzag": ("qwen2_5_vl", {"mode": "zigzag_ring_attn"}, False, {"evaluate": True}),
     "qwen3_vl_ulysses_lora": ("qwen3_vl", {"mode": "ulysses_attn", "chunked_loss": True}, True),
     "qwen3_vl_zigzag_ckpt": ("qwen3_vl", {"mode": "zigzag_ring_attn"}, False,
                              {"gradient_checkpointing": True, "ddp_find_unused_parameters": False}),
@@ -220,6 +220,8 @@ def _trainer_sp(rank, world, root, names):
         assert set(got["weights"]) == set(ref["weights"]), f"{name}: trainable parameters differ"
         for k, w in ref["weights"].items():
             assert_close(got["weights"][k], w, rel=1e-4, name=f"{name}: weight {k}")
+        if "eval_loss" in ref:
+            assert_close(torch.tensor(got["eval_loss"]), torch.tensor(ref["eval_loss"]), rel=1e-5, name=f"{name}: eval")
 
 
 @pytest.mark.slow  # the SFTTrainer example below is the default run's Trainer case

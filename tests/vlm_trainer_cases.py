@@ -64,8 +64,9 @@ def lora_config():
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=r".*language_model.*\.(q_proj|v_proj|o_proj)")
 
 
-def run(family: str, out: str, sp: dict | None = None, lora: bool = False, **args_kw) -> dict:
-    """Train STEPS optimizer steps (GA 2); returns {"loss": curve, "weights": trainable parameters}."""
+def run(family: str, out: str, sp: dict | None = None, lora: bool = False, evaluate: bool = False, **args_kw) -> dict:
+    """Train STEPS optimizer steps (GA 2); returns {"loss": curve, "weights": trainable parameters} (+ "eval_loss"
+    on 4 more examples when ``evaluate``)."""
     from transformers import Trainer, TrainingArguments
     from easy_context.integrations import enable_sequence_parallel
     from tests.vlm_models import make_vlm
@@ -80,8 +81,9 @@ def run(family: str, out: str, sp: dict | None = None, lora: bool = False, **arg
                              gradient_accumulation_steps=GA, learning_rate=LR, lr_scheduler_type="constant",
                              warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
                              seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0,
-                             remove_unused_columns=False, **args_kw)
-    trainer = Trainer(model=model, args=args, train_dataset=examples(family), data_collator=collate)
+                             remove_unused_columns=False, per_device_eval_batch_size=BATCH, **args_kw)
+    trainer = Trainer(model=model, args=args, train_dataset=examples(family), data_collator=collate,
+                      eval_dataset=examples(family, 4, seed=5) if evaluate else None)
     if sp is not None:
         enable_sequence_parallel(trainer, **sp)
     else:  # the Qwen VLMs say accepts_loss_kwargs=False, so the plain Trainer would average micro-batch means; the
@@ -91,4 +93,7 @@ def run(family: str, out: str, sp: dict | None = None, lora: bool = False, **arg
     loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     weights = {n.replace("module.", "", 1) if n.startswith("module.") else n: w for n, w in weights.items()}
-    return {"loss": loss, "weights": weights}
+    res = {"loss": loss, "weights": weights}
+    if evaluate:
+        res["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return res
