@@ -35,6 +35,8 @@ def split_vision(batch: dict, model) -> tuple[dict, dict | None]:
     is returned as it is and ``full_rows`` names any vision key as unsupported)."""
     if model is None:
         return batch, None
+    from .families import vlm_family
+    vlm_family(model)  # a VLM whose positions we cannot build is named, in every mode (data_parallel included)
     vision = {k: batch.pop(k) for k in VISION_KEYS if k in batch}
     for k in DROPPED:
         batch.pop(k, None)
