@@ -108,7 +108,9 @@ def modality_shard(kind, input_ids, token_id, grid, pixels, merge, shard_fn, str
     else:
         chosen = torch.unique(unit_of[needed]) if len(needed) else torch.zeros(1, dtype=torch.long)
     row_start = torch.cumsum(unit_rows, 0) - unit_rows
-    rows = torch.cat([torch.arange(int(row_start[u]), int(row_start[u] + unit_rows[u])) for u in chosen.tolist()])
+    counts = unit_rows[chosen]  # the chosen units' pixel rows, in unit order
+    rows = torch.repeat_interleave(row_start[chosen] - (torch.cumsum(counts, 0) - counts), counts) \
+        + torch.arange(int(counts.sum()))
     enc_start = torch.zeros(len(unit_grid), dtype=torch.long)
     enc_start[chosen] = torch.cumsum(unit_tokens[chosen], 0) - unit_tokens[chosen]
     take = enc_start[unit_of[needed]] + needed - tok_start[unit_of[needed]]
