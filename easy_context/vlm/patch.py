@@ -50,9 +50,9 @@ class _RouteVision:
                                  "ids prepare_seq_parallel_inputs returned (local_position_ids)")
             kwargs["mm_encoder_outputs"] = vision.encoder_outputs(self.inner)
         elif ids is not None and bool(((ids == config.image_token_id) | (ids == config.video_token_id)).any()):
-            raise ValueError(f"{self.mode_name}: the input holds image/video placeholder tokens but the call carries no "
-                             f"{VISION_KWARG}: pass **prepared.model_kwargs of prepare_seq_parallel_inputs(..., model=, "
-                             "pixel_values=, ...) (docs/vlm.md)")
+            raise ValueError(f"{self.mode_name}: the input holds image/video placeholder tokens but the call carries "
+                             f"no {VISION_KWARG}: pass **prepared.model_kwargs of prepare_seq_parallel_inputs(..., "
+                             "model=, pixel_values=, ...) (docs/vlm.md)")
         if pos is not None and pos.dim() == 2:  # text only: documents on row 0, the same positions on the 3 axes
             kwargs["position_ids"] = pos[None].expand(4, *pos.shape)
         return args, kwargs

@@ -77,17 +77,16 @@ def mrope_positions(model, family, input_ids, doc_positions, image_grid_thw=None
             for kind, gs, ge in _groups(cpu_types[b, s:e]):
                 if kind == 0:
                     continue
-                g = grids[kind]
-                i = used[kind]
+                g, i, what = grids[kind], used[kind], "image" if kind == IMAGE else "video"
                 if g is None or i >= len(g):
-                    raise ValueError(f"row {b} holds more {'image' if kind == IMAGE else 'video'} placeholder groups "
-                                     f"than {'image' if kind == IMAGE else 'video'}_grid_thw has rows ({0 if g is None else len(g)})")
+                    raise ValueError(f"row {b} holds more {what} placeholder groups than {what}_grid_thw has rows "
+                                     f"({0 if g is None else len(g)})")
                 n = int(g[i].prod()) // merge ** 2
                 if ge - gs != n:
                     raise ValueError(
-                        f"row {b}, tokens [{s + gs}, {s + ge}): a run of {ge - gs} {'image' if kind == IMAGE else 'video'} "
-                        f"placeholder tokens where grid {g[i].tolist()} needs {n} (a group cut by a document boundary, "
-                        "two groups without a token between them, or grids out of order)")
+                        f"row {b}, tokens [{s + gs}, {s + ge}): a run of {ge - gs} {what} placeholder tokens where "
+                        f"grid {g[i].tolist()} needs {n} (a group cut by a document boundary, two groups without a "
+                        "token between them, or grids out of order)")
                 taken[kind].append(i)
                 used[kind] += 1
             if not taken[IMAGE] and not taken[VIDEO]:
