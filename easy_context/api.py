@@ -119,12 +119,22 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
     needs no other argument. ``dispatch="auto"`` deals them in cost-balanced chunks instead (dispatch/plan.py; what
     train.py and the Trainer integration do; ``dispatch=`` a table uses that one): then pass
     ``**prepared.model_kwargs`` to the model, the table's one route to the attention.
+
+    A vision-language model's batch (``model=``, ``pixel_values=``, ``image_grid_thw=``, ``pixel_values_videos=``,
+    ``video_grid_thw=``, ...; docs/vlm.md): ``local_position_ids`` is (4, B, L_local), text + mRoPE positions of the
+    whole rows cut alike, and ``model_kwargs`` carries this rank's vision work.
     """
     from .batch_layout import BatchLayout, SeqParallelInputs
     mode = get_mode(seq_algo)
     _check_world(rank, world_size)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq); got shape {tuple(input_ids.shape)}")
+    vlm = None  # a VLM batch (model=, pixel_values=, ..., or 3-D positions): the cut follows its text positions
+    from .vlm.inputs import VLM_KEYS
+    if any(k in kw for k in VLM_KEYS) or (position_ids is not None and position_ids.dim() == 3):
+        from .vlm.inputs import VLMRows
+        vlm = VLMRows(input_ids, position_ids, **{k: kw.pop(k) for k in VLM_KEYS if k in kw})
+        position_ids = vlm.doc_positions
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
     for name, t in (("position_ids", position_ids), ("target_ids", target_ids)):
@@ -159,5 +169,6 @@ def prepare_seq_parallel_inputs(seq_algo, input_ids, position_ids, target_ids, r
         setattr(local, LAYOUT_ATTR, tag)
         return local
 
-    return SeqParallelInputs({"local_input_ids": cut(input_ids), "local_position_ids": cut(position_ids),
-                              "local_target_ids": cut(target_ids)}, layout)
+    out = SeqParallelInputs({"local_input_ids": cut(input_ids), "local_position_ids": cut(position_ids),
+                             "local_target_ids": cut(target_ids)}, layout)
+    return out if vlm is None else vlm.finish(out, rank, device, LAYOUT_ATTR)

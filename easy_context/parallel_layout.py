@@ -208,15 +208,16 @@ class ParallelLayout:
         return shard_sequence(self.mode, tensor, self.sp_rank, self.sp, dim=dim, positions=positions,
                               **self.layout_kw)
 
-    def prepare_inputs(self, input_ids, position_ids, target_ids, device, dispatch=None):
+    def prepare_inputs(self, input_ids, position_ids, target_ids, device, dispatch=None, **vlm):
         """``prepare_seq_parallel_inputs`` with this layout's sp rank, size and degrees; packed rows dispatched
         (``packed_dispatch``). ``dispatch``: the table when it was planned elsewhere (easy_context_train/plan_ahead.py), else
-        planned here. Pass ``**prepared.model_kwargs`` to the model (the table's route to the attention)."""
+        planned here. ``vlm``: a VLM batch's model= / pixel_values= / grids (vlm/inputs.py). Pass
+        ``**prepared.model_kwargs`` to the model (the table's route to the attention)."""
         from .api import prepare_seq_parallel_inputs
         if dispatch is None and self.packed_dispatch and self.mode.dispatches:
             dispatch = "auto"
         return prepare_seq_parallel_inputs(self.mode, input_ids, position_ids, target_ids, self.sp_rank,
-                                           self.sp, device, dispatch=dispatch, **self.layout_kw)
+                                           self.sp, device, dispatch=dispatch, **self.layout_kw, **vlm)
 
     def __str__(self) -> str:
         if self.mode.hybrid:

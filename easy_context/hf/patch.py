@@ -140,6 +140,9 @@ def apply_seq_parallel_monkey_patch(seq_algo, model, ring_degree: int | None = N
         _patch_family(mode, family, groups, require)
         return None
     if isinstance(model, transformers.PreTrainedModel):
+        from ..vlm.patch import is_vlm, patch_vlm
+        if is_vlm(model):  # the language model only; the vision tower stays whole (vlm/patch.py)
+            return patch_vlm(mode, model, groups, require, _patch_instance)
         return _patch_instance(mode, model, groups, require)
     raise ValueError(f"model must be a family string ({', '.join(FAMILIES)}) or a transformers "
                      f"PreTrainedModel; got {type(model).__name__}")

@@ -87,16 +87,19 @@ def full_rows(batch: dict, multiple: int, pad_id: int = 0, pad_to_multiple: bool
     return ids, pos.contiguous(), tgt.long()
 
 
-def shard_batch(batch: dict, layout, pad_id: int = 0, pad_to_multiple: bool = True) -> dict:
-    """This sp rank's slice: ``{"input_ids", "position_ids", TARGETS}`` (device of the batch)."""
-    return cut_rows(full_rows(batch, layout.seq_multiple, pad_id, pad_to_multiple), layout)
+def shard_batch(batch: dict, layout, pad_id: int = 0, pad_to_multiple: bool = True, vision=None) -> dict:
+    """This sp rank's slice: ``{"input_ids", "position_ids", TARGETS}`` (device of the batch). ``vision``: a VLM
+    batch's vision inputs (vlm/batches.split_vision)."""
+    rows = full_rows(batch, layout.seq_multiple, pad_id, pad_to_multiple)
+    return cut_rows(rows if vision is None else rows + (vision,), layout)
 
 
 def cut_rows(rows, layout, dispatch=None) -> dict:
     """``full_rows``' (ids, positions, targets) cut for this sp rank (``dispatch``: a packed row's table planned
-    elsewhere, easy_context_train/plan_ahead.py; else planned here)."""
-    ids, pos, tgt = rows
-    out = layout.prepare_inputs(ids, pos, tgt, ids.device, dispatch=dispatch)
+    elsewhere, easy_context_train/plan_ahead.py; else planned here). A VLM's rows carry a 4th item, the vision inputs
+    (model=, pixel_values=, grids): its (4, B, L) positions and vision work come back (vlm/inputs.py)."""
+    ids, pos, tgt, *vision = rows
+    out = layout.prepare_inputs(ids, pos, tgt, ids.device, dispatch=dispatch, **(vision[0] if vision else {}))
     # the packed rows' table rides in the batch as a plain object (the Trainer moves tensors only) and reaches the
     # model as a kwarg (compute_loss)
     return {"input_ids": out["local_input_ids"], "position_ids": out["local_position_ids"],

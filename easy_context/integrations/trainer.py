@@ -31,6 +31,7 @@ import torch
 
 from .batches import TARGETS, BatchError, cut_rows, full_rows, shard_batch
 from .options import SeqParallelOptions, check_trainer
+from ..vlm.batches import split_vision
 from ..registry import DEFAULT_MODE, get_mode
 
 _CLASSES: dict = {}  # trainer class -> its sequence-parallel subclass (classes only, no process state)
@@ -134,12 +135,14 @@ class SeqParallelTrainerMixin:
             except StopIteration:
                 break
             try:
-                rows = full_rows(dict(batch), self._ec_layout.seq_multiple, self._ec_pad_id,
+                batch, vision = split_vision(dict(batch), self._ec_vlm)  # a VLM's images / videos ride along
+                rows = full_rows(batch, self._ec_layout.seq_multiple, self._ec_pad_id,
                                  self._ec_opts.pad_to_multiple)
             except ValueError as e:  # raised when its window is cut (every rank hears of it there)
                 out.append((e, None))
                 continue
-            out.append((rows, None if planner is None else planner.submit(rows[1])))
+            out.append((rows if vision is None else rows + (vision,),
+                        None if planner is None else planner.submit(rows[1])))
         return out
 
     def _ec_cut(self, item, planner):
@@ -150,7 +153,8 @@ class SeqParallelTrainerMixin:
 
     def _ec_shard(self, batch):
         st = self._ec_opts
-        return shard_batch(dict(batch), self._ec_layout, self._ec_pad_id, st.pad_to_multiple)
+        batch, vision = split_vision(dict(batch), self._ec_vlm)
+        return shard_batch(batch, self._ec_layout, self._ec_pad_id, st.pad_to_multiple, vision)
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -187,7 +191,8 @@ class SeqParallelTrainerMixin:
 def _table_kwargs(batch) -> dict:
     """The packed rows' dispatch table a cut batch carries (cut_rows), as the model kwarg it travels in."""
     from ..dispatch.table import DISPATCH_KWARG
-    return {DISPATCH_KWARG: batch[DISPATCH_KWARG]} if batch.get(DISPATCH_KWARG) is not None else {}
+    from ..vlm.vision import VISION_KWARG  # a VLM batch's vision work (vlm/vision.py)
+    return {k: batch[k] for k in (DISPATCH_KWARG, VISION_KWARG) if batch.get(k) is not None}
 
 
 def _sp_class(cls):
@@ -213,7 +218,7 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     world, rank = trainer.args.world_size, trainer.args.process_index
     dp, sp, ring, uly = plan_degrees(opts.mode, world, opts.sp_size, opts.ring_degree)
     base = _base_model(trainer.model)
-    config = base.config
+    config = base.config.get_text_config()  # a VLM's language model (its own config for a text model)
     mode = get_mode(opts.mode)  # the options' name, once
     if mode.is_parallel:  # before anything reads heads: a model we cannot route is named first
         from ..hf.route import check_routable
@@ -239,7 +244,8 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
             handler.find_unused_parameters = False
     layout = ParallelLayout.build(opts.mode, sp_size=opts.sp_size, ring_degree=opts.ring_degree)  # collective
     layout.dispatch_window = attention_window(config)  # packed rows: dispatch costs capped by the model's window
-    if layout.mode.is_parallel:
+    from ..vlm.families import is_vlm
+    if layout.mode.is_parallel or is_vlm(base):  # a VLM under data_parallel: the route of its cut batches' vision
         apply_seq_parallel_monkey_patch(base, layout)
     if opts.checkpointing is not None or opts.tiled_mlp or opts.head_chunks > 1:
         configure_memory(base, checkpointing=opts.checkpointing or "none", offload_every_k=opts.offload_every_k,
@@ -252,6 +258,7 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     pad = getattr(tok, "pad_token_id", None)
     pad = pad if pad is not None else getattr(tok, "eos_token_id", None)
     trainer._ec_opts, trainer._ec_layout, trainer._ec_pad_id = opts, layout, int(pad or 0)
+    trainer._ec_vlm = base if is_vlm(base) else None  # VLM batches: vision inputs cut with the rows (vlm/batches.py)
     # the loss is normalised over the whole window here: the Trainer must not divide it by GA (and older
     # Trainers read model_accepts_loss_kwargs for the same decision)
     trainer.loss_is_scaled_for_ga = True

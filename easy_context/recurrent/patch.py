@@ -67,7 +67,8 @@ class _RecordPositions:
 
     def __call__(self, module, args, kwargs):
         from ..dispatch.table import table_of
-        self.ctx.position_ids = kwargs.get("position_ids")
+        pos = kwargs.get("position_ids")  # a VLM's text model gets (4, B, L): documents on row 0 (vlm/positions.py)
+        self.ctx.position_ids = pos[0] if pos is not None and pos.dim() == 3 else pos
         self.ctx.dispatch = table_of(kwargs, self.ctx.mode)
 
 
