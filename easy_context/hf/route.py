@@ -28,6 +28,19 @@ def dispatches_through_interface(cls) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in src
 
 
+@functools.lru_cache(maxsize=None)
+def drops_position_ids(cls) -> bool:
+    """Does ``cls.forward`` take ``position_ids`` by name and keep it from the attention call? Then the attention
+    never sees where packed documents restart (Persimmon, GPT-BigCode, StableLM, Moshi, ... in transformers 5.24)."""
+    try:
+        params = inspect.signature(cls.forward).parameters
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError, ValueError):
+        return False
+    call = src.split("ALL_ATTENTION_FUNCTIONS", 1)[-1]
+    return "position_ids" in params and "position_ids=position_ids" not in call
+
+
 def attention_layers(model) -> list[tuple[str, torch.nn.Module]]:
     """(qualified name, module) of every attention layer, outermost only (recurrent layers are not listed)."""
     from ..recurrent.detect import is_recurrent
@@ -41,11 +54,46 @@ def attention_layers(model) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
+def _sparse_indexer(model) -> tuple[str, str] | None:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, HY-V4, ...): an ``...Indexer`` module in an attention layer
+    picks each query's top ``index_topk`` keys and masks the rest through ``attention_mask`` / ``indices=``."""
+    for name, m in model.named_modules():
+        if type(m).__name__.endswith("Indexer"):
+            mt = getattr(getattr(model, "config", None), "model_type", "?")
+            return mt, (f"its attention layers select keys with a sparse-attention indexer ({type(m).__name__} at "
+                        f"{name}: each query keeps its top index_topk keys, the rest masked through attention_mask or "
+                        "indices=); the kernels attend to every causal key")
+    return None
+
+
+def _no_positions(model) -> tuple[str, str] | None:
+    """A causal LM whose forward takes no ``position_ids`` (BART-style decoders, MusicGen, Whisper's decoder in
+    transformers 5.24) numbers each call's tokens from 0 itself: every rank's shard would restart at position 0."""
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if "position_ids" in params or not hasattr(model, "config"):
+        return None
+    table = next((type(m).__name__ for m in model.modules() if re.search(r"Position(al)?Embedding", type(m).__name__)),
+                 None)
+    if table is None:  # RoPE models without the argument may pass it on through **kwargs (the census checks them)
+        return None
+    return (getattr(model.config, "model_type", "?"),
+            f"{type(model).__name__}.forward takes no position_ids, so its {table} numbers each rank's shard from "
+            "position 0 (it reads the input length)")
+
+
 def check_routable(model, mode) -> None:
     """ValueError naming the first layer class the patch cannot route (see the module doc); nothing for a model
     whose every attention layer goes through the AttentionInterface and whose recurrent layers all have adapters."""
+    from ..families import refusal
     from ..recurrent.detect import check_supported, recurrent_layers
     what = type(model).__name__
+    refused = refusal(getattr(model, "config", None)) or _sparse_indexer(model)
+    if refused:  # the layers route, but what they compute is not what the kernels compute (families.REFUSED)
+        raise ValueError(f"{mode.name}: {what} ({refused[0]}) cannot be made sequence-parallel exactly: {refused[1]}. "
+                         "Use --parallel_mode data_parallel for this family")
     attn = attention_layers(model)
     bad = [(n, m) for n, m in attn if not dispatches_through_interface(type(m))]
     if bad:
@@ -57,6 +105,10 @@ def check_routable(model, mode) -> None:
             "silently wrong model). Use a model whose attention goes through the AttentionInterface (Llama, Mistral, "
             "Qwen 2/3, Gemma 3, ...; `python -m easy_context check --matrix` lists them), or data_parallel")
     check_supported(mode, model)  # recurrent layers without an exact sequence-parallel path: refused there
+    refused = _no_positions(model)
+    if refused:
+        raise ValueError(f"{mode.name}: {what} ({refused[0]}) cannot be made sequence-parallel exactly: {refused[1]}. "
+                         "Use --parallel_mode data_parallel for this family")
     if not attn and not recurrent_layers(model):
         raise ValueError(f"{mode.name}: {what} has no attention layer the patch recognises (no module class named "
                          "...Attention), so nothing would be sequence-parallel; use data_parallel for it")
@@ -76,4 +128,4 @@ def check_config_routable(config, mode) -> None:
     check_routable(model, mode)
 
 
-__all__ = ["check_routable", "check_config_routable", "attention_layers", "dispatches_through_interface"]
+__all__ = ["drops_position_ids", "check_routable", "check_config_routable", "attention_layers", "dispatches_through_interface"]

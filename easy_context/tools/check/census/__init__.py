@@ -1,4 +1,4 @@
-"""``python -m easy_context check --census``: does every causal-LM family the installed transformers lists run
+"""``python -m easy_context check --census`` (a part of ``check``): does every causal-LM family the installed transformers lists run
 exactly under sequence parallelism, or is it refused by name? (issue #59)
 
     python -m easy_context check --census                          # docs/model-census.md + .csv
@@ -22,7 +22,7 @@ def all_families() -> list[str]:
 
 def main_census(args) -> int:
     """``check --census``: run, write ``OUT.md`` / ``OUT.csv``; exit 1 when a cell is WRONG or CRASH."""
-    from ..check.case import CheckUsageError
+    from ..case import CheckUsageError
     from .report import counts, to_csv, to_markdown
     from .run import census
     known = all_families()

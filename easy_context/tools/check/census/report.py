@@ -59,7 +59,7 @@ def to_markdown(rows: list[dict], world: int, seconds: float, command: str) -> s
            f"{transformers.__version__}, Python {platform.python_version()}, CPU gloo, {world} ranks, float32, "
            f"{seconds:.0f} s). Do not edit by hand: rerun the command.", "",
            "Each family of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` as a tiny random model: its default config shrunk "
-           "(easy_context/tools/census/tiny.py: hidden 64, 4 q / 2 kv heads of 16, vocabulary 128, 4 experts, "
+           "(easy_context/tools/check/census/tiny.py: hidden 64, 4 q / 2 kv heads of 16, vocabulary 128, 4 experts, "
            f"one layer per distinct layer type, windows and chunks of {WINDOW} tokens), rows of 2 x {SEQ_LEN} tokens. "
            "Each cell is the largest relative error ||sp - ref|| / ||ref|| over the logits, the token-mean loss and "
            "every parameter gradient (summed over the ranks) against the same model in one process (SDPA, or eager "
@@ -78,6 +78,10 @@ def to_markdown(rows: list[dict], world: int, seconds: float, command: str) -> s
     bad = [r for r in rows if r["status"] == "not buildable"]
     if bad:
         out += ["", "## Not buildable tiny", ""] + [f"- **{r['family']}**: {r['detail']}" for r in bad]
+    from .causes import CAUSES
+    known = [f for f in dict.fromkeys(r["family"] for r in rows if r["status"] in ("WRONG", "CRASH")) if f in CAUSES]
+    if known:
+        out += ["", "## Known causes of the WRONG / CRASH cells", ""] + [f"- **{f}**: {CAUSES[f]}" for f in known]
     if notes:
         out += ["", "## Refusals", ""] + [f"- **{k}**: {reason}" for reason, k in notes.items()]
     return "\n".join(out) + "\n"

@@ -52,13 +52,21 @@ def screen(family: str, modes: list[str], world: int) -> dict:
     for mode in modes:
         try:
             check_routable(model, get_mode(mode))
-            text = getattr(config, "get_text_config", lambda: config)()
-            q = getattr(text, "num_attention_heads", None)
+            q, kv = _heads(config)
             if isinstance(q, int):
-                ParallelLayout.build(mode, world_size=world).check_heads(q, getattr(text, "num_key_value_heads", q) or q)
+                ParallelLayout.build(mode, world_size=world).check_heads(q, kv if isinstance(kv, int) else q)
         except ValueError as e:
             refused[mode] = one_line(e)
     return {"status": "built", "vocab": vocab, "impl": impl, "params": params, "notes": notes, "refused": refused}
+
+
+def _heads(config):
+    """(q heads, kv heads) of the text config; (None, None) where they vary by layer (heterogeneous configs)."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    try:
+        return getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error: the ranks will tell
+        return None, None
 
 
 def classify_error(tb: str) -> tuple[str, str]:
@@ -83,14 +91,14 @@ def _broken(tb: str) -> bool:
 def spawn(cases: list[dict], world: int, timeout: float, collective_timeout: float = 30.0) -> dict:
     """Run ``cases`` on ``world`` gloo ranks; a rank that stops (broken group) is replaced by a fresh spawn for the
     cases left. Returns ``{case index: ("ok", payload) | ("error", traceback)}``."""
-    from ..gloo import free_port, rank_context, stop_ranks
+    from ...gloo import free_port, rank_context, stop_ranks
     from .rank import rank_entry
     out: dict = {}
     tries: dict = {}
     todo = list(cases)
     deadline = time.monotonic() + timeout
     while todo and time.monotonic() < deadline:
-        ctx = rank_context(["torch", "torch.distributed", "transformers", "easy_context.tools.census.rank"])
+        ctx = rank_context(["torch", "torch.distributed", "transformers", "easy_context.tools.check.census.rank"])
         results, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=rank_entry, daemon=True, args=(r, world, port, todo, results, collective_timeout,
                                                                    dict(os.environ))) for r in range(world)]
@@ -140,7 +148,10 @@ def census(families: list[str], modes: list[str], packed: bool = True, world: in
     """One row per family x mode x rows (plain, packed): class, errors, detail."""
     rows, cases = [], []
     for family in families:
-        s = screen(family, modes, world)
+        try:
+            s = screen(family, modes, world)
+        except Exception as e:  # noqa: BLE001 - a family the screen itself trips on is reported, not fatal
+            s = {"status": "not buildable", "detail": f"screen: {type(e).__name__}: {one_line(e, 200)}"}
         if s["status"] != "built":
             progress(f"  {family}: not buildable ({s['detail'][:100]})")
             rows.append({"family": family, "mode": "-", "rows": "-", "status": "not buildable", "detail": s["detail"]})
