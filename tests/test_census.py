@@ -155,3 +155,16 @@ def test_gated_delta_decay_gradients_are_float32_noise(family):
     transformers' init. The float64 truth shows that is the float32 reference's own rounding, not the ring."""
     from tests.harness import run_ranks
     run_ranks(_decay_grads_body, 2, args=(family,), timeout=600)
+
+
+def test_check_model_judges_a_family_without_sdpa(tmp_path):
+    """``check --model`` on a config transformers cannot run under SDPA (gpt-oss) builds its reference with eager and
+    compares, instead of stopping at transformers' "does not support SDPA" error."""
+    import subprocess
+    import sys
+    tiny.tiny_config("gpt_oss")[0].save_pretrained(tmp_path)
+    run = subprocess.run([sys.executable, "-m", "easy_context", "check", "--model", str(tmp_path), "--world", "2"],
+                         capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert "SDPA" not in out and run.returncode in (0, 1), out[-2000:]
+    assert "  logits " in run.stdout and "  grads " in run.stdout, out[-2000:]

@@ -4,6 +4,10 @@ have an adapter (recurrent/detect.py). A layer that computes attention itself (B
 5) would attend to its own rank's shard only: the model trains, silently wrong. Such a model is refused before
 anything is patched, naming the layer class.
 
+Layers that route but compute something else are refused too, by family: ``families.REFUSED`` (Doge's learned
+mask, DeepSeek-V4's compressed KV), sparse-attention indexers (DSA), and models whose forward takes no
+``position_ids`` while a position table numbers tokens from the input length (BART-style decoders).
+
 Attention layers are found by class name (``...Attention``, ``...Attn``, outermost only, recurrent ones aside) and
 judged by the source of their ``forward``; the check needs no forward pass and no collective, so it runs on a model
 built on the meta device too (``check_config_routable``, for ``check``)."""
@@ -26,19 +30,6 @@ def dispatches_through_interface(cls) -> bool:
     except (OSError, TypeError):  # no source (compiled / built at run time): cannot vouch for it
         return False
     return "ALL_ATTENTION_FUNCTIONS" in src
-
-
-@functools.lru_cache(maxsize=None)
-def drops_position_ids(cls) -> bool:
-    """Does ``cls.forward`` take ``position_ids`` by name and keep it from the attention call? Then the attention
-    never sees where packed documents restart (Persimmon, GPT-BigCode, StableLM, Moshi, ... in transformers 5.24)."""
-    try:
-        params = inspect.signature(cls.forward).parameters
-        src = inspect.getsource(cls.forward)
-    except (OSError, TypeError, ValueError):
-        return False
-    call = src.split("ALL_ATTENTION_FUNCTIONS", 1)[-1]
-    return "position_ids" in params and "position_ids=position_ids" not in call
 
 
 def attention_layers(model) -> list[tuple[str, torch.nn.Module]]:
@@ -128,4 +119,4 @@ def check_config_routable(config, mode) -> None:
     check_routable(model, mode)
 
 
-__all__ = ["drops_position_ids", "check_routable", "check_config_routable", "attention_layers", "dispatches_through_interface"]
+__all__ = ["check_routable", "check_config_routable", "attention_layers", "dispatches_through_interface"]

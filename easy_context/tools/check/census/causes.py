@@ -12,6 +12,9 @@ _WINDOW_FALLBACK = ("full-attention layers pass sliding_window=None explicitly b
 _POSITIONS = ("packed rows only: the attention layer never receives position_ids (it takes them by name and keeps them, "
               "or the decoder does not pass them on), so hf/attention.py sees no document starts and attends across "
               "documents")
+_KWARGS = ("packed rows only: the decoder layer calls self_attn with position_ids but without **kwargs, so the "
+           "dispatch table of prepare_inputs (sp_dispatch) never reaches the attention: DispatchError telling the user "
+           "to pass what they passed")
 CAUSES = {
     "gpt_oss": _SINKS + " (modeling_gpt_oss.py:322)",
     "granite_swa": _SINKS + " (modeling_granite_swa.py:191; eager applies it as out * sigmoid(lse - sink))",
@@ -30,9 +33,8 @@ CAUSES = {
     "gpt_bigcode": _POSITIONS + " (GPTBigCodeModel uses position_ids for wpe only, modeling_gpt_bigcode.py:470)",
     "ctrl": _POSITIONS + " (CTRLModel uses position_ids for its sinusoidal table only, modeling_ctrl.py:320)",
     "dory": _POSITIONS + " (DoryModel calls its layers with **kwargs only, modeling_dory.py:494)",
-    "stablelm": "packed rows only: StableLmAttention's interface call passes position_ids but not **kwargs "
-                "(modeling_stablelm.py:310), so the dispatch table of prepare_inputs never arrives (DispatchError "
-                "telling the user to pass what they passed)",
+    "stablelm": _KWARGS + " (StableLmDecoderLayer, modeling_stablelm.py:349)",
+    "nemotron": _KWARGS + " (NemotronDecoderLayer, modeling_nemotron.py:318)",
     "diffllama": "packed ulysses only, the lambda_q1 gradient just beyond tolerance: a sum over every token "
                  "(likely float32 rounding, not verified against float64)",
 }

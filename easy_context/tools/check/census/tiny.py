@@ -131,6 +131,10 @@ def _changes(config, notes: list) -> dict:
     q0, kv0 = have.get("num_attention_heads"), have.get("num_key_value_heads")
     if isinstance(kv0, int) and isinstance(q0, int):  # MHA stays MHA, GQA becomes 4:2, MQA 4:1
         ch["num_key_value_heads"] = 4 if kv0 == q0 else (1 if kv0 == 1 else 2)
+    elif kv0 is None and isinstance(q0, int) and "num_key_value_heads" in have:  # unset: MHA (Nemotron)
+        ch["num_key_value_heads"] = 4
+    if "layer_types" in have and have["layer_types"] is None and "num_dense_layers" in have:  # LFM2-MoE
+        ch["layer_types"] = ["conv", "full_attention"]
     if isinstance(have.get("qk_rope_head_dim"), int) and "head_dim" in have:  # MLA: head_dim is the RoPE part
         ch["head_dim"] = ch["qk_rope_head_dim"]
     for k in ("rotary_dim", "rotary_emb_base_dim"):  # GPT-J / CodeGen: RoPE on part of the head
@@ -198,7 +202,9 @@ def build(model_type: str, config=None, seed: int = 0):
     torch.manual_seed(seed)
     model = cls._from_config(config, dtype=torch.float32, attn_implementation=impl)
     from ....recurrent.init import slow_decay_
-    slow_decay_(model, seed)  # hybrids: decay gradients resolvable in float32, as ``check`` does (recurrent/init.py)
+    slow_decay_(model, seed)
+    if hasattr(model, "set_default_language"):  # X-MOD: one language adapter for the whole batch
+        model.set_default_language(next(iter(getattr(config, "languages", None) or ["en_XX"])))  # hybrids: decay gradients resolvable in float32, as ``check`` does (recurrent/init.py)
     return model.float().train(), impl
 
 
