@@ -50,9 +50,31 @@ _TABLE += (
     Family("falcon_h1", "FalconH1Attention", recurrent=("FalconH1Mixer",)),
 )
 FAMILIES: dict[str, Family] = {f.name: f for f in _TABLE}
+
+# Families whose attention computes something the sequence-parallel kernels do not (issue #59's census): refused by
+# config.model_type before anything is patched or any collective runs (hf/route.py), with what differs and where.
+REFUSED: dict[str, str] = {
+    "doge": "DogeAttention adds a learned dynamic mask to the attention logits (exp(A * softplus(dt_proj(v))) per key "
+            "and head, top-k kept beyond keep_window_size; transformers models/doge/modeling_doge.py, "
+            "prepare_dynamic_mask) through attention_mask; the kernels take no additive bias, so the logits and the "
+            "gradients of A and dt_proj would be wrong",
+    "deepseek_v4": "DeepseekV4Attention appends compressed-KV entries (the CSA / HCA compressor, with a per-query block "
+                   "bias) to the keys of its own rank's tokens (transformers models/deepseek_v4/modeling_deepseek_v4.py, "
+                   "DeepseekV4Attention.forward): keys outnumber queries and each rank would compress only its shard",
+}
 NORM_CLASSES: tuple[str, ...] = tuple(f.norm for f in _TABLE if f.norm)
 PLUS_ONE_NORMS: tuple[str, ...] = tuple(f.norm for f in _TABLE if f.norm and f.norm_plus_one)
 ROPE_ATTENTIONS: tuple[str, ...] = tuple(f.attention for f in _TABLE if f.fused_rope)
+
+
+def refusal(config) -> tuple[str, str] | None:
+    """(model_type, reason) when ``config`` (or its text config) is a family listed in REFUSED, else None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in (config, text):
+        mt = getattr(c, "model_type", None)
+        if mt in REFUSED:
+            return mt, REFUSED[mt]
+    return None
 
 
 def family_of_model_type(model_type: str | None) -> str | None:
@@ -63,4 +85,4 @@ def family_of_model_type(model_type: str | None) -> str | None:
     return None
 
 
-__all__ = ["Family", "FAMILIES", "NORM_CLASSES", "PLUS_ONE_NORMS", "ROPE_ATTENTIONS", "family_of_model_type"]
+__all__ = ["Family", "FAMILIES", "REFUSED", "refusal", "NORM_CLASSES", "PLUS_ONE_NORMS", "ROPE_ATTENTIONS", "family_of_model_type"]

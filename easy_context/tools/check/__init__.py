@@ -17,7 +17,8 @@ can be seen to fail (self-test).
 Files: ``case.py`` (one check, usage error, fixed choices), ``config.py`` (read and shrink the config, set
 RoPE theta), ``prepare.py`` (validate the arguments, build the case), ``spawn.py`` (run cases on gloo ranks),
 ``rank.py`` (what each rank runs), ``report.py`` (report and verdict), ``cli.py`` (flags, ``main``), ``matrix.py``
-(``--matrix``: every family x mode x feature in one spawn -> docs/parity-matrix.md + .csv).
+(``--matrix``: every family x mode x feature in one spawn -> docs/parity-matrix.md + .csv), ``census/``
+(``--census``: every causal-LM family transformers lists -> docs/model-census.md + .csv).
 """
 from __future__ import annotations
 

@@ -64,12 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--features", default=None,
                    help="comma-separated subset of base, packed, window, lora, moe_aux, rope_yarn, rope_dynamic")
     m.add_argument("--out", default="docs/parity-matrix", help="output path without extension")
+    c = p.add_argument_group("model census (--census: every causal-LM family transformers lists; tools/check/census/)")
+    c.add_argument("--census", action="store_true", help="tiny models of every family in MODEL_FOR_CAUSAL_LM_MAPPING_"
+                   "NAMES (or --families) under --modes (default zigzag_ring_attn, ulysses_attn), plain and packed "
+                   "rows, on --world ranks: exact / refused / not buildable / WRONG / CRASH -> docs/model-census.md")
+    c.add_argument("--no-packed", dest="no_packed", action="store_true", help="--census: plain rows only")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.census:
+            from .census import main_census
+            args.timeout = 7200.0 if args.timeout == 600.0 else args.timeout
+            return main_census(args)
         if args.matrix:
             from .matrix import main_matrix
             if args.world == 2 and "--world" not in (argv if argv is not None else sys.argv):

@@ -173,15 +173,9 @@ def run_case(case, send=lambda payload: None) -> dict | None:
 
     def build(config):
         torch.manual_seed(case.seed)
-        try:
-            m = tf.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
-                                                    attn_implementation="sdpa")
-        except ValueError as e:  # a family transformers runs only eagerly (gpt-oss): the reference is eager
-            if "does not support" not in str(e):
-                raise
-            torch.manual_seed(case.seed)
-            m = tf.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
-                                                    attn_implementation="eager")
+        cls = tf.AutoModelForCausalLM._model_mapping[type(config)]  # eager where the family has no SDPA (gpt-oss)
+        m = tf.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32, attn_implementation=(
+            "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"))
         from easy_context.recurrent.init import slow_decay_
         slow_decay_(m, case.seed)  # hybrids: a decay that keeps the state alive (recurrent/init.py says why)
         return m.float().train()
