@@ -8,13 +8,10 @@ pre-hook on the base model keeps the call's position ids and a pre-hook on each 
 in its kwargs, which the layer forwards to the attention (and the mixer). Per model instance; ``data_parallel``
 removes the hooks.
 
-Every other model gets the same pair of hooks on its attention layers (``hf.route.attention_layers``) that take
-``**kwargs``: a decoder layer that drops the position ids (Llama 4's) would otherwise hand its attention none, and
-packed rows would silently be one document. A call that already carries them is left as it is.
+Every model gets the recording hook: what the model call carried is the attention's fallback where a layer hands it
+no positions or no table (``apply``'s return value), else packed rows would silently be one document.
 """
 from __future__ import annotations
-
-import inspect
 
 _ATTR = "_easy_context_layer_positions"
 # family -> its decoder layer class, called by the model without position_ids
@@ -22,18 +19,19 @@ LAYER_CLASSES = {"granitemoehybrid": "GraniteMoeHybridDecoderLayer"}
 KEYS = ("position_ids", "sp_dispatch")  # the positions and the packed rows' table (dispatch.DISPATCH_KWARG)
 
 
-def apply(mode, model, family: str | None, attention_modules=()) -> None:
-    """``attention_modules``: the model's attention layers (hf/route.attention_layers, found by the caller)."""
+def apply(mode, model, family: str | None) -> dict:
+    """Install the hooks (removing earlier ones); returns the dict the base model's pre-hook fills with the model
+    call's ``KEYS`` (empty without sequence parallelism): the patched attention's fallback (hf/attention.py) for
+    layers that never hand it the positions (Llama 4's decoder drops them, Persimmon's attention keeps them, StableLM
+    calls its attention without the table)."""
     for handle in getattr(model, _ATTR, ()):
         handle.remove()
     if hasattr(model, _ATTR):
         delattr(model, _ATTR)
-    layer_class = LAYER_CLASSES.get(family)
-    if not mode.is_parallel:
-        return
-    targets = [m for m in model.modules() if type(m).__name__ == layer_class]
-    targets += [m for m in attention_modules if _takes_kwargs(m)]
     seen: dict = {}
+    if not mode.is_parallel:
+        return seen
+    layer_class = LAYER_CLASSES.get(family)
 
     def record(module, args, kwargs):
         for key in KEYS:
@@ -47,18 +45,10 @@ def apply(mode, model, family: str | None, attention_modules=()) -> None:
 
     base = getattr(model, "base_model", model)
     handles = [base.register_forward_pre_hook(record, with_kwargs=True)]
-    handles += [m.register_forward_pre_hook(inject, with_kwargs=True) for m in targets]
+    handles += [m.register_forward_pre_hook(inject, with_kwargs=True) for m in model.modules()
+                if type(m).__name__ == layer_class]
     setattr(model, _ATTR, handles)
-
-
-def _takes_kwargs(module) -> bool:
-    """The forward passes unnamed kwargs on (to the attention interface) and names none of ``KEYS`` itself."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-            and not any(k in params for k in KEYS))
+    return seen
 
 
 __all__ = ["apply"]

@@ -83,7 +83,8 @@ def _documents(mode: Mode, groups, state, position_ids, dispatch, require_table:
     return docs
 
 
-def make_attention_fn(mode: Mode, ring_degree: int | None = None, require_table: bool = False, **groups):
+def make_attention_fn(mode: Mode, ring_degree: int | None = None, require_table: bool = False, call=None,
+                      **groups):
     """An AttentionInterface function running ``mode`` (a ``Mode``: ``layout.mode``) with the bound process groups
     (``ring_degree=``: usp_attn's groups built from the world on first use). ``require_table``: packed rows must
     come with their dispatch table (a ``ParallelLayout`` that dispatches them)."""
@@ -102,18 +103,21 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, require_table:
         window, chunk = layer_mask(mode.name, module, None if sliding_window is _UNSET else sliding_window,
                                    passed=sliding_window is not _UNSET)
         groups = bound.get()
-        _check_layout(mode, bound, state, kwargs.get("position_ids"))
-        pos = kwargs.get("position_ids")
+        pos, table = kwargs.get("position_ids"), table_of(kwargs, mode)
+        if call:  # what the model call carried (layer_positions), for layers that do not hand it on
+            pos = pos if pos is not None else _same_rows(call.get("position_ids"), query)
+            table = table if table is not None else table_of({DISPATCH_KWARG: call.get(DISPATCH_KWARG)}, mode)
+        _check_layout(mode, bound, state, pos)
         # inputs that prepare_seq_parallel_inputs cut without a table (its plain form: the mode's fixed cut, rebuilt
         # from the positions) need none, also under a layout that dispatches the ones its own prepare_inputs cuts
         fixed = getattr(pos, "_easy_context_layout", (None, None, True))[2:] == (False,)
-        docs = _documents(mode, groups, state, pos, table_of(kwargs, mode), require_table and not fixed)
+        docs = _documents(mode, groups, state, pos, table, require_table and not fixed)
         length = query.shape[2] * _sp_size(mode, groups)
         if (window is not None and window < length) or (chunk is not None and chunk < length):
             docs = _one_document(state, query.shape[0], length) if docs is None else docs
             docs = docs.with_chunks(chunk) if chunk is not None and chunk < length else docs
             docs = docs.with_window(window)  # a local layer: same blocks, windowed
-        query = temperature_tuned(mode.name, module, query, kwargs.get("position_ids"), length)
+        query = temperature_tuned(mode.name, module, query, pos, length)
         sinks = _sinks(mode.name, module, kwargs.get("s_aux"), query.shape[1])
         extra = {"docs": docs} if docs is not None else {}
         if sinks is not None:
@@ -129,6 +133,13 @@ def make_attention_fn(mode: Mode, ring_degree: int | None = None, require_table:
 
     attention.mode, attention.seq_algo = mode, mode.name  # seq_algo: the name, as before
     return attention
+
+
+def _same_rows(pos, query):
+    """The model call's (B, S) position ids where they describe this call's rows (a layer's own call may differ)."""
+    if pos is None or pos.dim() != 2 or pos.shape[-1] != query.shape[2] or pos.shape[0] not in (1, query.shape[0]):
+        return None
+    return pos
 
 
 def _sinks(mode_name, module, s_aux, heads: int):

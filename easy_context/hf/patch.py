@@ -193,8 +193,7 @@ def _patch_instance(mode: Mode, model, groups, require: bool = False):
     if family in FAMILIES:
         check_transformers_compat(family)
     from ..layer_positions import apply as pass_positions  # packed documents need them (granitemoehybrid, Llama 4)
-    from .route import attention_layers
-    pass_positions(mode, model, family, [m for _, m in attention_layers(model)] if mode.is_parallel else ())
+    call = pass_positions(mode, model, family)
     if not mode.is_parallel:  # plain attention back
         prev = getattr(model, "_easy_context_prev_attn", None)
         if prev is not None:
@@ -204,7 +203,7 @@ def _patch_instance(mode: Mode, model, groups, require: bool = False):
     # transformers treats any implementation name containing "flash" as flash-attn (and tries to load
     # it), so a mode named "..._flash_..." is registered as "easy_context_..._fa_..._<id>"
     name = f"easy_context_{mode.name.replace('flash', 'fa')}_{id(model):x}"
-    AttentionInterface.register(name, make_attention_fn(mode, require_table=require, **groups))
+    AttentionInterface.register(name, make_attention_fn(mode, require_table=require, call=call, **groups))
 
     def mask_fn(*args, **kwargs):
         _check_mask(kwargs.get("attention_mask"))

@@ -19,7 +19,7 @@ import re
 
 import torch
 
-_ATTN_NAME = re.compile(r"(Attention|Attn)(\d*)$")
+_ATTN_NAME = re.compile(r"(Attention|Attn|MLA)(\d*)$")  # LongcatFlashMLA
 
 
 @functools.lru_cache(maxsize=None)
