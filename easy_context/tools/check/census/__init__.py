@@ -12,7 +12,11 @@ from __future__ import annotations
 import os
 import time
 
-DEFAULT_MODES = ("zigzag_ring_attn", "ulysses_attn")
+def default_modes() -> list[str]:
+    """The census' modes: the default ring mode and the plain head all-to-all (asked of the Modes, not named)."""
+    from ....registry import DEFAULT_MODE, SEQ_ALGOS, get_mode
+    heads = next(n for n in SEQ_ALGOS if get_mode(n).ulysses and not get_mode(n).hybrid)
+    return [DEFAULT_MODE, heads]
 
 
 def all_families() -> list[str]:
@@ -27,7 +31,7 @@ def main_census(args) -> int:
     from .run import census
     known = all_families()
     families = known if args.families is None else [f.strip() for f in args.families.split(",") if f.strip()]
-    modes = list(DEFAULT_MODES) if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = default_modes() if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
     from easy_context.registry import mode_names
     for chosen, valid, flag in ((families, known, "--families"), (modes, mode_names(), "--modes")):
         bad = [x for x in chosen if x not in valid]
@@ -56,4 +60,4 @@ def main_census(args) -> int:
     return 1 if n["WRONG"] or n["CRASH"] else 0
 
 
-__all__ = ["main_census", "all_families", "DEFAULT_MODES"]
+__all__ = ["main_census", "all_families", "default_modes"]
