@@ -29,6 +29,7 @@ from .writes import size_text as _size
 from .writes import space as _space
 
 _STEP = re.compile(r"^step-(\d+)$")
+_LEGACY_TMP = re.compile(r"^\.tmp-(old-)?step-\d{7}$")
 
 
 def ckpt_root(output_dir: str) -> str:
@@ -50,8 +51,12 @@ def latest_checkpoint(output_dir: str) -> str | None:
 
 def remove_stale_temps(output_dir: str) -> None:
     """Temp directories of a killed run (checkpoints and the final model): only the ones this package made."""
-    remove_stale_dirs(ckpt_root(output_dir), ".tmp-")
+    root = ckpt_root(output_dir)
+    remove_stale_dirs(root, ".tmp-")
     remove_stale_dirs(output_dir, FINAL_PREFIX)
+    for n in os.listdir(root) if os.path.isdir(root) else ():  # what versions before the private dirs left
+        if _LEGACY_TMP.match(n):
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
 def _fsync_dir(path: str) -> None:
@@ -289,7 +294,8 @@ def _publish(tmp: str, final: str, parent: str, name: str) -> None:
     if os.path.exists(final):  # re-saving the same step: move the old one aside first
         old = private_dir(parent, f".tmp-old-{name}-")
         os.replace(final, os.path.join(old, name))
-    os.remove(os.path.join(tmp, MARK))  # the mark goes last: until here a kill leaves a temp dir the next start removes
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(tmp, MARK))  # the mark goes last: until here a kill leaves a temp dir the next start removes
     os.replace(tmp, final)
     _fsync_dir(parent)
     if old:

@@ -32,6 +32,9 @@ def load_any_dataset(name: str, split: str = "train", subset: str | None = None)
         root = e
         while root.__cause__ is not None or root.__context__ is not None:
             root = root.__cause__ or root.__context__
+        from .writes import WRITE_ERRNOS, write_error
+        if isinstance(root, OSError) and root.errno in WRITE_ERRNOS:  # datasets' cache could not be written: 74
+            raise write_error(root, "the datasets cache for", name, then="then rerun") from None
         if isinstance(root, UnicodeDecodeError):
             raise UsageError(f"dataset {name!r} is not UTF-8 text ({root.reason} at byte {root.start}); convert it "
                              "to UTF-8 first") from None
@@ -99,9 +102,8 @@ MOSTLY_MASKED = 0.5  # below this trainable share of the targets, the run says s
 
 
 def trainable_fraction(ds, seq_length: int) -> tuple[int, int]:
-    """(trainable targets, all targets) of the rows as train.py reads them: ``labels[1:seq_length + 1]`` other than
-    -100, and not a document's first token (``position_ids`` 0: ``packed_data.batch_targets``). Arrow, batch by
-    batch (memory: one batch of rows)."""
+    """(trainable targets, all targets) as train.py reads them (``packed_data.batch_targets``): ``labels[1:L + 1]``
+    other than -100 and not a document's first token (``position_ids`` 0); Arrow, one batch of rows at a time."""
     import numpy as np
     import pyarrow.compute as pc
     table = ds.data.table if ds._indices is None else ds.with_format(None).data.table
@@ -118,8 +120,7 @@ def trainable_fraction(ds, seq_length: int) -> tuple[int, int]:
 
 
 def _check_trainable(ds, name: str, seq_length: int) -> None:
-    """Nothing to learn is an error (a loss of 0.0 every step, a saved model that learned nothing); mostly masked
-    labels are said once (rank 0), with the share that trains."""
+    """Nothing to learn is an error (a loss of 0.0 every step); mostly masked labels are said once, with the share."""
     good, total = trainable_fraction(ds, seq_length)
     if good == 0:
         raise UsageError(f"dataset {name!r}: every target of the 'labels' column is -100 (masked) in the "

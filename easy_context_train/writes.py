@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EIO)
 MARK = ".easy_context_tmp"  # inside every private temp directory this package makes (and only those are removed)
 
 
@@ -62,7 +63,7 @@ def _existing(path: str) -> str:
 def write_error(e: Exception, what: str, path: str, then: str = "then rerun with --resume") -> WriteError:
     why, free, fix = space(e, _existing(os.path.dirname(os.path.abspath(path))))
     target = getattr(e, "filename", None) or path
-    return WriteError(f"cannot write {what} {path}: {why} ({target}; {free}); the run stopped. {fix}, {then}")
+    return WriteError(f"cannot write {what} {path}: {why} ({target}; {free}); {fix[0].lower() + fix[1:]}, {then}")
 
 
 @contextlib.contextmanager
