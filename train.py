@@ -31,6 +31,8 @@ from easy_context_train.errors import UsageError, fail
 from easy_context_train.faults import Guard, handle_fault
 from easy_context_train.op_build import watch_op_builds
 from easy_context_train.run_dir import exit_with_parent
+from easy_context_train.run_state import finished_line
+from easy_context_train.session import resume_plan
 
 
 def main(argv=None):
@@ -38,6 +40,12 @@ def main(argv=None):
     exit_with_parent()  # a killed launcher never leaves ranks training
     watch_op_builds(args.build_lock_timeout)  # start-up: a stale DeepSpeed op-build lock is one line (exit 5)
     try:
+        # the output dir's state (fresh / in progress / finished; run_state.py), read-only, every rank alike: --resume
+        # of a finished run is a no-op (one line, exit 0), refused (fewer steps) or continued from its final step
+        if resume_plan(args) == "done":
+            if os.environ.get("RANK", "0") == "0":
+                print(finished_line(args), file=sys.stderr, flush=True)
+            return
         train(args)
     except UsageError as e:
         import torch.distributed as dist
@@ -67,17 +75,8 @@ def train(args):
     from easy_context_train.moe import aux_coef, aux_term
     from easy_context.loss import IGNORE_INDEX, global_sum
     from easy_context_train.parallel import build_layout, make_accelerator, nll_sum
-    from easy_context_train.session import open_run, resume, resume_plan, save_outputs
+    from easy_context_train.session import open_run, resume, save_outputs
     from easy_context_train.writes import agree
-
-    # 0. The output dir's state (fresh / in progress / finished): --resume of a finished run is a no-op, refused, or
-    # continues from its final step (run_state.py); read-only, every rank alike.
-    if resume_plan(args) == "done":
-        from easy_context_train.run_state import finished_line
-        from easy_context_train.checkpoint import list_checkpoints
-        if os.environ.get("RANK", "0") == "0":
-            print(finished_line(args, list_checkpoints(args.output_dir)), file=sys.stderr, flush=True)
-        return
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
     config = load_config(args.model, args.rope_theta, args)  # strict (a missing width / heads / vocab) + --rope-scaling

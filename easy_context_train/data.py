@@ -141,8 +141,7 @@ def data_identity(ds, samples: int = 64) -> dict:
 
     import numpy as np
     import pyarrow.compute as pc
-    n = len(ds)
-    arrow = ds.with_format("arrow")
+    n, arrow = len(ds), ds.with_format("arrow")
     idx = sorted({int(i) for i in np.linspace(0, n - 1, num=min(n, samples))}) if n else []
     h = hashlib.sha256()
     sub = arrow[idx] if idx else None

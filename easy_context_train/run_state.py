@@ -88,8 +88,8 @@ def plan_resume(args, checkpoints: list) -> str:
     return "extend"
 
 
-def finished_line(args, checkpoints: list) -> str:
-    st = read_state(args.output_dir, checkpoints, getattr(args, "log_file", None))
+def finished_line(args) -> str:
+    st = read_state(args.output_dir, [], getattr(args, "log_file", None))
     return (f"train.py: run {st.run_id} in {args.output_dir} finished at step {st.step} and its model is complete "
             f"({', '.join(st.model) or 'no model saved'}): nothing to resume (--max-train-steps above {st.step} "
             "continues it)")
