@@ -18,6 +18,15 @@ def resume_plan(args) -> str:
         return "start"
     found = ckpt.list_checkpoints(args.output_dir)
     args.resume_plan = plan_resume(args, found)
+    if args.resume_plan == "done":  # nothing trains, but other flags mean another stage: refused like any resume
+        from . import run_flags
+        prev = run_dir.read_run(args.output_dir) or {}
+        old = {k: v for k, v in (prev.get("identity") or {}).items() if k not in ("processes", "architecture")}
+        now = run_flags.identity(args, None, int(os.environ.get("WORLD_SIZE", "1")))
+        if args.rope_theta is None:  # the model's own theta: only its config knows it (not loaded for a no-op)
+            old.pop("rope_theta", None)
+        run_flags.check_resume(args.output_dir, {**prev, "identity": old} if prev.get("identity") else prev, now,
+                               run_dir.fingerprint(args), run_flags.accepted_keys(args.accept_changed))
     if args.resume_plan == "extend":
         args.finished_step = read_state(args.output_dir, found, args.log_file).step
     return args.resume_plan
