@@ -146,8 +146,9 @@ def write_final(accelerator, output_dir: str, write, last: str, need: int = 0) -
     prev, step = latest_checkpoint(output_dir), TRACKER.step
     model = f", the model takes {_size(need)}" if need else ""
     fix = fix[0].lower() + fix[1:]
-    then = (f"the last checkpoint {prev} is intact: {fix}, then rerun with --resume (the steps after it are trained "
-            "again)" if prev else f"no checkpoint exists: {fix}, then rerun with --overwrite-output-dir "
+    again = "no step is trained again" if prev and prev.endswith(f"step-{step:07d}") else \
+        "the steps after it are trained again"
+    then = (f"the last checkpoint {prev} is intact: {fix}, then rerun with --resume ({again})" if prev else f"no checkpoint exists: {fix}, then rerun with --overwrite-output-dir "
             "(--checkpoint-every N keeps one)")
     raise FinalSaveError(f"cannot write the final model to {output_dir} after step {step}: {why} "
                          f"({getattr(err, 'filename', None) or tmp}; {space}{model}); nothing of it was kept and "

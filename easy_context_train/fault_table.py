@@ -25,7 +25,7 @@ import time
 
 from easy_context.registry import PLAIN_MODE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (train.py)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo (train.py)
 TRAIN = ["--parallel_mode", PLAIN_MODE, "--seq-length", "128", "--gradient-accumulate-every", "1",
          "--learning-rate", "3e-3", "--warmup-steps", "2", "--rope-theta", "20000", "--collective-timeout", "60s"]
 
