@@ -272,7 +272,7 @@ def test_case6_the_final_save_never_touches_a_users_temp_dir(tmp_path):
 
 # ------------------------------------------------------------------------------- 9 and 10. plan's inputs
 @pytest.mark.parametrize("flags,needle", [
-    (["--nodes", "1000000000"], "--nodes must be in 1..1048576, got 1000000000"),
+    (["--nodes", "1000000000"], "--nodes must be >= 1 and <= 1048576, got 1000000000"),
     (["--gpus", "4096", "--nodes", "4096"], "--gpus x --nodes must be at most 1048576 GPUs, got 4096 x 4096 = "
                                             "16777216"),
     (["--gpu-mem", "1e300"], "--gpu-mem must be a positive number of GiB up to 1048576, got 1e+300"),

@@ -63,7 +63,8 @@ def parse(argv) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     for name in ("seq_length", "gpus", "nodes", "batch_size", "gradient_accumulate_every", "top"):
         if not 1 <= getattr(args, name) <= BOUNDS[name]:
-            raise PlanUsageError(f"--{name.replace('_', '-')} must be in 1..{BOUNDS[name]}, got {getattr(args, name)}")
+            raise PlanUsageError(f"--{name.replace('_', '-')} must be >= 1 and <= {BOUNDS[name]}, got "
+                                 f"{getattr(args, name)}")
     if args.gpus * args.nodes > BOUNDS["world"]:
         raise PlanUsageError(f"--gpus x --nodes must be at most {BOUNDS['world']} GPUs, got {args.gpus} x "
                              f"{args.nodes} = {args.gpus * args.nodes}")
