@@ -40,6 +40,26 @@ def main(argv=None):
         run(args)
     except UsageError as e:
         fail(str(e), prog="prepare_data.py")
+    except Exception as e:  # noqa: BLE001 - a failed write (disk full, quota, read-only) is one line and exit 74
+        from easy_context_train.writes import WriteError, write_error
+        err = e if isinstance(e, WriteError) else _write_error(e)
+        if err is None:
+            raise
+        if not isinstance(err, WriteError):
+            err = write_error(err, "the dataset", args.output, then="then rerun the same command (nothing of it was "
+                              "kept; the tokenization is cached)")
+        fail(str(err), prog="prepare_data.py", code=74)
+
+
+def _write_error(e: BaseException):
+    """The OSError of a failed write behind ``e`` (datasets and pyarrow wrap it), or None."""
+    from easy_context_train.writes import WRITE_ERRNOS
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def run(args):

@@ -22,6 +22,8 @@ scaling of DeepSpeed/Accelerate, so the gradient is that of the global token-mea
 Logic lives in easy_context_train; this file is the readable outline.
 """
 import math
+import os
+import sys
 import time
 
 from easy_context_train.args import parse_args
@@ -29,6 +31,8 @@ from easy_context_train.errors import UsageError, fail
 from easy_context_train.faults import Guard, handle_fault
 from easy_context_train.op_build import watch_op_builds
 from easy_context_train.run_dir import exit_with_parent
+from easy_context_train.run_state import finished_line
+from easy_context_train.session import resume_plan
 
 
 def main(argv=None):
@@ -36,6 +40,12 @@ def main(argv=None):
     exit_with_parent()  # a killed launcher never leaves ranks training
     watch_op_builds(args.build_lock_timeout)  # start-up: a stale DeepSpeed op-build lock is one line (exit 5)
     try:
+        # the output dir's state (fresh / in progress / finished; run_state.py), read-only, every rank alike: --resume
+        # of a finished run is a no-op (one line, exit 0), refused (fewer steps) or continued from its final step
+        if resume_plan(args) == "done":
+            if os.environ.get("RANK", "0") == "0":
+                print(finished_line(args), file=sys.stderr, flush=True)
+            return
         train(args)
     except UsageError as e:
         import torch.distributed as dist
@@ -54,7 +64,7 @@ def train(args):
     from easy_context import apply_seq_parallel_monkey_patch
     from easy_context.hf.route import check_config_routable
     from easy_context_train import checkpoint as ckpt
-    from easy_context_train.data import forever, load_any_dataset, make_loader, validate_packed
+    from easy_context_train.data import data_identity, forever, load_any_dataset, make_loader, validate_packed
     from easy_context_train.evaluate import due, eval_loss, load_eval_rows
     from easy_context_train.lora import apply_lora
     from easy_context_train.metrics import JsonlLog, StepMetrics, report
@@ -66,9 +76,10 @@ def train(args):
     from easy_context.loss import IGNORE_INDEX, global_sum
     from easy_context_train.parallel import build_layout, make_accelerator, nll_sum
     from easy_context_train.session import open_run, resume, save_outputs
+    from easy_context_train.writes import agree
 
     # 1. Inputs: a missing model, a missing column or short rows fail here, before any process group.
-    config = load_config(args.model, args.rope_theta, args)  # + --rope-scaling
+    config = load_config(args.model, args.rope_theta, args)  # strict (a missing width / heads / vocab) + --rope-scaling
     try:  # a layer the patch cannot route: one line, before any collective
         check_config_routable(config, args.parallel_mode)
     except ValueError as e:
@@ -77,12 +88,13 @@ def train(args):
     if args.save_rope_theta is None:  # the theta trained with (the model's own when --rope-theta is unset)
         args.save_rope_theta = get_rope_theta(config)
     data = validate_packed(load_any_dataset(args.dataset, args.dataset_split), args.dataset, args.seq_length,
-                           config.vocab_size, args.model)  # + every token id inside the vocabulary
+                           config.vocab_size, args.model)  # + ids inside the vocabulary, something to learn
 
     eval_rows = load_eval_rows(args, config.vocab_size)  # --eval-dataset: validated like --dataset
     accelerator = make_accelerator(args)  # gloo on CPU, nccl on GPU
     layout = build_layout(args.parallel_mode, args.sp_size, args.ring_degree, args.seq_length, config)  # dp x sp
-    lock, run_id = open_run(args, accelerator, config)  # the output dir: one run at a time; --resume checks flags
+    lock, run_id = open_run(args, accelerator, config, data_identity(data))  # one run at a time; --resume checks
+    # the flags and what the data is
     set_seed(args.seed)
 
     # 2. Model: attention through the sp group, memory options, optimizer whose LR is --learning-rate.
@@ -117,7 +129,8 @@ def train(args):
     batches = PlannedBatches(forever(loader), loader, layout, GA)  # packed rows: next step's dispatch planned meanwhile
     tokens_per_step = args.batch_size * GA * args.seq_length * layout.dp
     measure = StepMetrics(n_params, config, args.seq_length, accelerator.num_processes, tokens_per_step)
-    log = JsonlLog(args.log_file, accelerator.is_main_process, start)
+    log = JsonlLog(args.log_file, accelerator.is_main_process, start)  # every write: the guarded writer (exit 74)
+    agree(accelerator, log.failed)
     accelerator.print(f"{layout.mode.name} {layout}: {n_params / 1e6:.1f}M params, {tokens_per_step} tokens/step, "
                       f"{'DeepSpeed' if use_ds else 'Accelerate'}; lr {args.learning_rate:g}"
                       + (f"; LoRA rank {args.lora_rank}" if args.lora_rank else ""))
@@ -135,7 +148,12 @@ def train(args):
             inp, pos, tgt, table = next(batches)  # optional labels / packed-document positions (+ their dispatch)
             window.append(layout.prepare_inputs(inp.cpu(), pos.cpu(), tgt.cpu(), accelerator.device, dispatch=table))
         n_tokens = global_sum(sum((w["local_target_ids"] != IGNORE_INDEX).sum() for w in window).float()
-                           .to(accelerator.device)).clamp(min=1)
+                              .to(accelerator.device))
+        if step == start and n_tokens.item() == 0:  # the same on every rank: all refuse before a step of nothing
+            raise UsageError(f"the first step's {GA * args.batch_size * layout.dp} rows have no trainable label (every "
+                             "target is -100): nothing to learn; a chat template without assistant markers gives "
+                             "this; check the 'labels' column of --dataset")
+        n_tokens = n_tokens.clamp(min=1)
         scale = accelerator.num_processes * GA / n_tokens
         nll_window, aux_window = torch.zeros((), device=accelerator.device), 0.0
         for w in window:
@@ -162,9 +180,11 @@ def train(args):
         if due(args, step + 1):  # held-out token-mean loss, same sp layout (after the timing above)
             row["eval_loss"] = eval_loss(model, unwrapped, eval_rows, layout, args, accelerator.device)
         report(row, log, bar, accelerator, args.wandb)
-        preempted = guard.stop_requested(step + 1)  # a signal on any rank (one all-reduce): all save, then exit
-        if preempted or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0
-                         and step + 1 < args.max_train_steps):
+        preempted = guard.stop_requested(step + 1, log.failed)  # a signal or a failed write on any rank (one
+        # all-reduce): all save and exit 75, or all exit 74. The last step is checkpointed too: the state a finished
+        # run continues from (--resume with a larger --max-train-steps; run_state.py)
+        if preempted or (args.checkpoint_every and ((step + 1) % args.checkpoint_every == 0
+                                                    or step + 1 == args.max_train_steps)):
             ckpt.save_checkpoint(accelerator, args.output_dir, step + 1, args.keep_checkpoints,
                                  {"data": batches.state_dict()}, run_id=run_id)
         ckpt.crash_point("step", step + 1)  # no-op unless the tests ask for a crash
@@ -173,11 +193,9 @@ def train(args):
     batches.close()
 
     # 5. Final model: HF safetensors + tokenizer (or the LoRA adapter), RoPE theta (--save-rope-theta) in config.json.
-    save_outputs(args, accelerator, model, tokenizer)
-    accelerator.end_training()
+    save_outputs(args, accelerator, model, tokenizer, args.max_train_steps)  # + run.json: finished at this step
     lock.release()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    guard.complete(args.max_train_steps)  # exit 0; a signal from here on is acknowledged (the model is complete)
 
 
 if __name__ == "__main__":

@@ -284,11 +284,10 @@ def check_args(args) -> None:
     check_model_path(args.model)
     from .run_dir import check_writable_dir
     check_writable_dir(args.output_dir)
-    for sub in ("checkpoints", ".final.tmp"):  # preemption's and periodic checkpoints, the final save's temp dir
-        path = os.path.join(args.output_dir, sub)
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise UsageError(f"{path!r} is a file where the run writes a directory ({sub}/): move it, or choose "
-                             "another --output-dir")
+    path = os.path.join(args.output_dir, "checkpoints")  # preemption's and periodic checkpoints (temp dirs: mkdtemp)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{path!r} is a file where the run writes a directory (checkpoints/): move it, or choose "
+                         "another --output-dir")
     if args.log_file is None:
         args.log_file = os.path.join(args.output_dir, "metrics.jsonl")
     else:  # every path the run writes is checked before the model loads

@@ -1,9 +1,10 @@
 """Resumable checkpoints, written atomically.
 
-A checkpoint is ``OUTPUT_DIR/checkpoints/step-XXXXXXX``. Every rank writes its shards into
-``.tmp-step-XXXXXXX``; after a barrier the main process renames it, so a ``step-*`` directory is
-always complete and a kill mid-write leaves only a ``.tmp-*`` directory (removed at the next start)
-next to the previous, intact checkpoint. Multi-node runs need the output dir on a shared file system.
+A checkpoint is ``OUTPUT_DIR/checkpoints/step-XXXXXXX``. Every rank writes its shards into a private temp
+directory the main process made (``.tmp-step-XXXXXXX-*``, ``writes.private_dir``); after a barrier the main process
+renames it, so a ``step-*`` directory is always complete and a kill mid-write leaves only a marked temp directory
+(removed at the next start; a user's directory of a similar name is never touched) next to the previous, intact
+checkpoint. Multi-node runs need the output dir on a shared file system.
 A write that fails on any rank (disk full, quota, read-only) is agreed on by every rank: the temp dir is
 removed, the previous checkpoint stays the latest, and ``CheckpointWriteError`` says which path, how much space
 and what to do (train.py exits 74).
@@ -22,8 +23,13 @@ import shutil
 import signal
 
 from .run_dir import owned_by
+from .writes import MARK, WriteError, is_private, private_dir, remove_stale_dirs
+from .writes import agree_failed as _agree_failed
+from .writes import size_text as _size
+from .writes import space as _space
 
 _STEP = re.compile(r"^step-(\d+)$")
+_LEGACY_TMP = re.compile(r"^\.tmp-(old-)?step-\d{7}$")
 
 
 def ckpt_root(output_dir: str) -> str:
@@ -44,11 +50,13 @@ def latest_checkpoint(output_dir: str) -> str | None:
 
 
 def remove_stale_temps(output_dir: str) -> None:
+    """Temp directories of a killed run (checkpoints and the final model): only the ones this package made."""
     root = ckpt_root(output_dir)
-    if os.path.isdir(root):
-        for n in os.listdir(root):
-            if n.startswith(".tmp-"):
-                shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    remove_stale_dirs(root, ".tmp-")
+    remove_stale_dirs(output_dir, FINAL_PREFIX)
+    for n in os.listdir(root) if os.path.isdir(root) else ():  # what versions before the private dirs left
+        if _LEGACY_TMP.match(n):
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
 def _fsync_dir(path: str) -> None:
@@ -63,60 +71,19 @@ def _fsync_dir(path: str) -> None:
 def replace_dir_contents(src: str, dst: str, last: str | None = None) -> None:
     """Move every file of ``src`` into ``dst`` with atomic per-file renames, ``last`` moved last."""
     os.makedirs(dst, exist_ok=True)
-    names = sorted(os.listdir(src), key=lambda n: n == last)
+    names = sorted((n for n in os.listdir(src) if n != MARK), key=lambda n: n == last)
     for n in names:
         target = os.path.join(dst, n)
         if os.path.isdir(target):
             shutil.rmtree(target)
         os.replace(os.path.join(src, n), target)
-    os.rmdir(src)
+    shutil.rmtree(src)
     _fsync_dir(dst)
 
 
-class CheckpointWriteError(Exception):
+class CheckpointWriteError(WriteError):
     """A checkpoint could not be written (disk full, quota, read-only, permissions); the previous one is intact.
     ``local``: this rank's own write failed (it prints the reason); otherwise a peer's did."""
-    code = 74  # EX_IOERR
-
-    def __init__(self, msg: str, local: bool):
-        super().__init__(msg)
-        self.local = local
-
-
-def _agree_failed(accelerator, failed: bool) -> bool:
-    """Whether any rank failed (one all-reduce), so every rank takes the same branch and none waits forever."""
-    import torch
-    import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return failed
-    flag = torch.tensor([float(failed)], device=getattr(accelerator, "device", "cpu"))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-def _space(e: Exception, where: str) -> tuple[str, str, str]:
-    """(the OS's reason, free space at ``where``, what to do) for a failed write."""
-    import errno
-    try:
-        du = shutil.disk_usage(where)
-        space = f"{_size(du.free)} free of {_size(du.total)} there"
-    except OSError:
-        space = "free space unknown"
-    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-    code = getattr(e, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e):
-        fix = "Free space (or raise the quota)"
-    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "Make the directory writable"
-    elif code == errno.EFBIG:
-        fix = "Raise the file-size limit (ulimit -f) or use another file system"
-    else:
-        fix = "Check the file system"
-    return why, space, fix
 
 
 def _write_error(e: Exception, final: str, output_dir: str) -> str:
@@ -134,7 +101,7 @@ def _write_error(e: Exception, final: str, output_dir: str) -> str:
             f"{kept}. {fix}, then rerun with --resume")
 
 
-FINAL_TMP = ".final.tmp"  # OUTPUT/.final.tmp/: the final model until it is complete
+FINAL_PREFIX = ".final-tmp-"  # OUTPUT/.final-tmp-XXXXXXXX/ (mkdtemp): the final model until it is complete
 
 
 class FinalSaveError(CheckpointWriteError):
@@ -142,18 +109,19 @@ class FinalSaveError(CheckpointWriteError):
 
 
 def write_final(accelerator, output_dir: str, write, last: str, need: int = 0) -> None:
-    """The final model: ``write(tmp)`` on the main process into ``OUTPUT/.final.tmp``, whose files are then moved into
+    """The final model: ``write(tmp)`` on the main process into a private ``OUTPUT/.final-tmp-*`` (``mkdtemp``: never a
+    directory of the user's), whose files are then moved into
     ``output_dir`` (``last`` last). Call it on every rank after the collectives that gather the weights: a write that
     fails (disk full, quota, read-only) is agreed on by one all-reduce, the temp dir is removed, and every rank raises
     ``FinalSaveError`` (the main process's says which path, the space, the last checkpoint and what to do)."""
     import torch.distributed as dist
 
     from easy_context.phase import TRACKER, phase
-    tmp = os.path.join(output_dir, FINAL_TMP)
+    tmp = os.path.join(output_dir, FINAL_PREFIX + "*")
     err = None
     if accelerator.is_main_process:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = private_dir(output_dir, FINAL_PREFIX)
             write(tmp)
             if injected("disk_full", "final"):  # fault injection for the tests: the disk fills mid-save
                 import errno
@@ -164,7 +132,7 @@ def write_final(accelerator, output_dir: str, write, last: str, need: int = 0) -
             raise
         except Exception as e:  # noqa: BLE001 - OSError, torch's RuntimeError, safetensors' SafetensorError, a bug
             err = e
-            if os.path.isdir(tmp):
+            if os.path.isdir(tmp) and is_private(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
     with phase("final save"):
         failed = _agree_failed(accelerator, err is not None)  # every rank learns it: none waits at a barrier
@@ -178,8 +146,9 @@ def write_final(accelerator, output_dir: str, write, last: str, need: int = 0) -
     prev, step = latest_checkpoint(output_dir), TRACKER.step
     model = f", the model takes {_size(need)}" if need else ""
     fix = fix[0].lower() + fix[1:]
-    then = (f"the last checkpoint {prev} is intact: {fix}, then rerun with --resume (the steps after it are trained "
-            "again)" if prev else f"no checkpoint exists: {fix}, then rerun with --overwrite-output-dir "
+    again = "no step is trained again" if prev and prev.endswith(f"step-{step:07d}") else \
+        "the steps after it are trained again"
+    then = (f"the last checkpoint {prev} is intact: {fix}, then rerun with --resume ({again})" if prev else f"no checkpoint exists: {fix}, then rerun with --overwrite-output-dir "
             "(--checkpoint-every N keeps one)")
     raise FinalSaveError(f"cannot write the final model to {output_dir} after step {step}: {why} "
                          f"({getattr(err, 'filename', None) or tmp}; {space}{model}); nothing of it was kept and "
@@ -190,15 +159,16 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
                     run_id: str | None = None) -> str:
     """Save, then keep the newest ``keep`` checkpoints *of this run* (other runs' are never touched).
 
-    Written into ``.tmp-step-*`` and renamed when every rank's part is on disk. A write that fails on any rank
-    (disk full, quota, read-only) is agreed on by all ranks: the temp dir is removed, the previous checkpoint
-    stays the latest, and every rank raises ``CheckpointWriteError``."""
+    Written into a private ``.tmp-step-*`` directory and renamed when every rank's part is on disk. A write that fails
+    on any rank (disk full, quota, read-only) is agreed on by all ranks: the temp dir is removed, the previous
+    checkpoint stays the latest, and every rank raises ``CheckpointWriteError``."""
     from easy_context.phase import phase
     from .run_dir import run_of, write_manifest
+    from .writes import shared_path
     final = os.path.join(ckpt_root(output_dir), f"step-{step:07d}")
     parent, name = os.path.split(final)
-    tmp = os.path.join(parent, f".tmp-{name}")
     main = accelerator.is_main_process
+    box = [None]  # the temp dir (made by the main process, its name shared with every rank)
 
     def attempt(fn) -> None:
         import torch.distributed as dist
@@ -212,18 +182,17 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
         with phase("checkpoint"):
             failed = _agree_failed(accelerator, err is not None)
         if failed:
-            if main:
-                shutil.rmtree(tmp, ignore_errors=True)
+            if main and box[0] and is_private(box[0]):
+                shutil.rmtree(box[0], ignore_errors=True)
             raise CheckpointWriteError(_write_error(err, final, output_dir) if err else
                                        "another rank could not write its part of the checkpoint", err is not None)
 
     def start():
         if main:
-            os.makedirs(parent, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
+            box[0] = private_dir(parent, f".tmp-{name}-")
 
     def shards():
+        tmp = box[0]
         accelerator.save_state(tmp)
         if injected("disk_full", step):  # fault injection for the tests: the disk fills mid-write
             import errno
@@ -234,9 +203,13 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
 
     def state():
         if main:  # after every rank's shards are written (the agreement above), so the manifest lists them all
-            with open(os.path.join(tmp, "train_state.json"), "w") as f:
+            with open(os.path.join(box[0], "train_state.json"), "w") as f:
                 json.dump({"step": step, "run_id": run_id, **(extra or {})}, f)
-            write_manifest(tmp)  # sizes + checksums, checked by --resume
+            write_manifest(box[0])  # sizes + checksums, checked by --resume (the temp mark is not listed)
+
+    def publish():
+        if main:
+            _publish(box[0], final, parent, name)
 
     owner = run_of(final) if os.path.isdir(final) else None
     if os.path.isdir(final) and not owned_by(owner, run_id):  # every rank sees it: all raise, before any collective
@@ -246,11 +219,10 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int = 2, extr
             f"replaced. Move it out of {parent}, then rerun with --resume", main)
     with phase("checkpoint"):
         attempt(start)
+        box[0] = shared_path(box[0])
         attempt(shards)
         attempt(state)
-        if main:
-            _publish(tmp, final, parent, name)
-        accelerator.wait_for_everyone()
+        attempt(publish)  # a read-only remount shows here too: the same agreed 74
     if main and keep > 0:
         mine = [p for _, p in list_checkpoints(output_dir) if run_of(p) in (run_id, None)]
         for path in mine[:-keep]:
@@ -317,11 +289,14 @@ def resync_cpu_adam(accelerator) -> int:
 
 
 def _publish(tmp: str, final: str, parent: str, name: str) -> None:
-    """The finished temp directory becomes ``final`` in one rename (an old one of the same step moved aside first)."""
+    """The finished temp directory becomes ``final`` in one rename (an old one of the same step moved aside first, into
+    a private directory)."""
     old = None
     if os.path.exists(final):  # re-saving the same step: move the old one aside first
-        old = os.path.join(parent, f".tmp-old-{name}")
-        os.replace(final, old)
+        old = private_dir(parent, f".tmp-old-{name}-")
+        os.replace(final, os.path.join(old, name))
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(tmp, MARK))  # the mark goes last: until here a kill leaves a temp dir the next start removes
     os.replace(tmp, final)
     _fsync_dir(parent)
     if old:

@@ -32,6 +32,9 @@ def load_any_dataset(name: str, split: str = "train", subset: str | None = None)
         root = e
         while root.__cause__ is not None or root.__context__ is not None:
             root = root.__cause__ or root.__context__
+        from .writes import WRITE_ERRNOS, write_error
+        if isinstance(root, OSError) and root.errno in WRITE_ERRNOS:  # datasets' cache could not be written: 74
+            raise write_error(root, "the datasets cache for", name, then="then rerun") from None
         if isinstance(root, UnicodeDecodeError):
             raise UsageError(f"dataset {name!r} is not UTF-8 text ({root.reason} at byte {root.start}); convert it "
                              "to UTF-8 first") from None
@@ -90,7 +93,64 @@ def validate_packed(ds, name: str, seq_length: int, vocab_size: int | None = Non
         _check_packed_columns(ds, name)
     if vocab_size is not None:
         _check_token_ids(ds, name, vocab_size, model)
+    if "labels" in ds.column_names:
+        _check_trainable(ds, name, seq_length)
     return ds.with_format("torch")
+
+
+MOSTLY_MASKED = 0.5  # below this trainable share of the targets, the run says so once (not an error)
+
+
+def trainable_fraction(ds, seq_length: int) -> tuple[int, int]:
+    """(trainable targets, all targets) as train.py reads them (``packed_data.batch_targets``): ``labels[1:L + 1]``
+    other than -100 and not a document's first token (``position_ids`` 0); Arrow, one batch of rows at a time."""
+    import numpy as np
+    import pyarrow.compute as pc
+    table = ds.data.table if ds._indices is None else ds.with_format(None).data.table
+    cols = [c for c in ("labels", "position_ids") if c in table.column_names]
+    good = total = 0
+    for rb in table.select(cols).to_batches(max_chunksize=256):
+        cut = {c: pc.list_flatten(pc.list_slice(rb.column(i), 1, seq_length + 1)).to_numpy(zero_copy_only=False)
+               for i, c in enumerate(cols)}
+        ok = cut["labels"] != -100
+        if "position_ids" in cut:
+            ok &= cut["position_ids"] != 0
+        good, total = good + int(np.count_nonzero(ok)), total + len(ok)
+    return good, total
+
+
+def _check_trainable(ds, name: str, seq_length: int) -> None:
+    """Nothing to learn is an error (a loss of 0.0 every step); mostly masked labels are said once, with the share."""
+    good, total = trainable_fraction(ds, seq_length)
+    if good == 0:
+        raise UsageError(f"dataset {name!r}: every target of the 'labels' column is -100 (masked) in the "
+                         f"{len(ds)} rows: there is nothing to learn (the loss would be 0.0 at every step). Likely "
+                         "cause: a chat template that never marks an assistant turn, so no token is labelled; check "
+                         "the template (prepare_data.py --format chat labels the assistant turns) or drop the "
+                         "'labels' column to train on every token")
+    if good < MOSTLY_MASKED * total and os.environ.get("RANK", "0") == "0":
+        print(f"train.py: warning: dataset {name!r}: only {100 * good / total:.1f}% of the targets are trainable "
+              f"({good} of {total}; the rest of 'labels' is -100): the loss and its gradient come from those",
+              flush=True)
+
+
+def data_identity(ds, samples: int = 64) -> dict:
+    """What the rows are, for run.json (compared on --resume): row count, token count and the sha256 of up to
+    ``samples`` evenly spaced rows (every column), cheap at any size; a dataset replaced at the same path differs."""
+    import hashlib
+
+    import numpy as np
+    import pyarrow.compute as pc
+    n, arrow = len(ds), ds.with_format("arrow")
+    idx = sorted({int(i) for i in np.linspace(0, n - 1, num=min(n, samples))}) if n else []
+    h = hashlib.sha256()
+    sub = arrow[idx] if idx else None
+    for col in sorted(ds.column_names):
+        h.update(col.encode())
+        if sub is not None:
+            h.update(pc.list_flatten(sub.column(col)).to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+    tokens = int(pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0)  # the underlying table's
+    return {"rows": n, "tokens": tokens, "sha256": h.hexdigest()[:16]}
 
 
 def _check_token_ids(ds, name: str, vocab_size: int, model: str | None) -> None:

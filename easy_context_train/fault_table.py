@@ -25,7 +25,7 @@ import time
 
 from easy_context.registry import PLAIN_MODE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (train.py)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo (train.py)
 TRAIN = ["--parallel_mode", PLAIN_MODE, "--seq-length", "128", "--gradient-accumulate-every", "1",
          "--learning-rate", "3e-3", "--warmup-steps", "2", "--rope-theta", "20000", "--collective-timeout", "60s"]
 
@@ -55,9 +55,9 @@ class Bench:
         self.rows: list[tuple] = []
 
     # ---------------------------------------------------------------------------------------- running
-    def run(self, cmd: list[str], env=None, timeout=600, during=None) -> tuple[int, str]:
+    def run(self, cmd: list[str], env=None, timeout=600, during=None, preexec=None) -> tuple[int, str]:
         p = subprocess.Popen(cmd, cwd=ROOT, env=_env(**(env or {})), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                             stderr=subprocess.STDOUT, text=True, preexec_fn=preexec)
         if during:
             during(p)
         try:
@@ -67,8 +67,8 @@ class Bench:
             log = p.communicate()[0] + "\n(killed by the bench: no exit within the time limit)"
         return p.returncode, log
 
-    def train(self, out, *extra, env=None, launch=False, model=None, during=None):
-        args = ["--model", model or self.toy["model"], "--dataset", self.toy["data_128"], "--output-dir", out,
+    def train(self, out, *extra, env=None, launch=False, model=None, during=None, data=None):
+        args = ["--model", model or self.toy["model"], "--dataset", data or self.toy["data_128"], "--output-dir", out,
                 *TRAIN, *extra]
         if launch:
             cmd = [sys.executable, "-m", "easy_context", "launch", "--config_file",
@@ -83,7 +83,8 @@ class Bench:
         one that reported it; "5 or -15, 5": the launcher may stop a rank with SIGTERM before it exits on its own).
         A worker traceback, or more than one error line, is never as documented."""
         lines = [ln[ln.index(p):] for ln in log.replace("\r", "\n").splitlines()
-                 for p in ("train.py: ", "prepare_data.py: ", "python -m easy_context plan: ")
+                 for p in ("train.py: ", "prepare_data.py: ", "python -m easy_context plan: ",
+                           "python -m easy_context check: ")
                  if p in ln and ("error" in ln or "preempted" in ln)]
         workers = sorted(set(int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", log)))
         status = ", ".join(map(str, workers)) if workers else str(rc)
@@ -125,24 +126,39 @@ class Bench:
         self.record("token id outside the vocabulary in the data (999999)", rc, log, "2")
         # a short run (one process), then what a user may try on its directory
         run = os.path.join(w, "run")
-        rc, log = self.train(run, "--max-train-steps", "4", "--checkpoint-every", "2")
-        self.record("a short run (baseline: trains, checkpoint at step 2, final model)", rc, log, "0",
-                    "trained 4 steps, saved the model")
+        os.makedirs(os.path.join(run, ".final.tmp"))  # the user's own (#60: the final save's temp dir is private)
+        open(os.path.join(run, ".final.tmp", "notes.txt"), "w").write("mine")
+        rc, log = self.train(run, "--max-train-steps", "4", "--checkpoint-every", "2",
+                             env={"EASY_CONTEXT_CRASH": "sigterm:final"})
+        kept = os.path.exists(os.path.join(run, ".final.tmp", "notes.txt"))
+        self.record("a short run (baseline: checkpoints at steps 2 and 4, final model); SIGTERM just after the final "
+                    "save; the user's OUTPUT/.final.tmp/", rc, log, "0", _said(log) + "; .final.tmp/ " +
+                    ("kept" if kept else "DELETED"), ok=kept and "is complete" in log)
+        model = os.path.join(run, "model.safetensors")
+        sha = _sha(model)
+        rc, log = self.train(run, "--max-train-steps", "4", "--resume")
+        self.record("--resume into that finished run (a scheduler's requeue)", rc, log, "0", _said(log),
+                    ok="nothing to resume" in log)
+        rc, log = self.train(run, "--max-train-steps", "3", "--resume")
+        self.record("--resume into a finished run with a lower --max-train-steps", rc, log, "2",
+                    ok=_sha(model) == sha)
         done = os.path.join(w, "finished")
         shutil.copytree(run, done, ignore=shutil.ignore_patterns("checkpoints"))  # what every recipe stage leaves
         rc, log = self.train(done, "--max-train-steps", "4")
         self.record("fresh run into a finished output dir (model, run.json, metrics; no checkpoints/)", rc, log, "2")
-        rc, log = self.train(run, "--max-train-steps", "4", "--resume", "--seq-length", "64")
+        rc, log = self.train(run, "--max-train-steps", "6", "--resume", "--seq-length", "64")
         self.record("--resume with another --seq-length", rc, log, "2")
-        rc, log = self.train(run, "--max-train-steps", "4", "--resume", model=self.other)
+        rc, log = self.train(run, "--max-train-steps", "6", "--resume", model=self.other)
         self.record("--resume with a model of another architecture", rc, log, "2")
-        foreign = os.path.join(run, "checkpoints", "step-0000003")
-        shutil.copytree(os.path.join(run, "checkpoints", "step-0000002"), foreign)
+        foreign = os.path.join(run, "checkpoints", "step-0000005")
+        shutil.copytree(os.path.join(run, "checkpoints", "step-0000004"), foreign)
         state = os.path.join(foreign, "train_state.json")
-        json.dump({**json.load(open(state)), "run_id": "someone-else", "step": 3}, open(state, "w"))
-        rc, log = self.train(run, "--max-train-steps", "4", "--resume")
-        self.record("--resume where another run's checkpoint sits at a step this run will reach", rc, log, "2")
+        json.dump({**json.load(open(state)), "run_id": "someone-else", "step": 5}, open(state, "w"))
+        rc, log = self.train(run, "--max-train-steps", "6", "--resume")
+        self.record("--resume where another run's checkpoint sits at a step this run will reach", rc, log, "2",
+                    ok=_sha(model) == sha)
         shutil.rmtree(foreign)
+        self.second_probe(prep)
         # a lock left by a run killed while DeepSpeed compiled its ops
         ext = os.path.join(w, "torch_extensions")
         for op in ("deepspeed_shm_comm", "cpu_adam"):
@@ -154,6 +170,50 @@ class Bench:
                              launch=True, env={"TORCH_EXTENSIONS_DIR": ext})
         self.record("a stale torch_extensions lock (a run killed mid op build), ZeRO-3 launch", rc, log,
                     "5 or -15, 5")
+
+    def second_probe(self, prep: list[str]) -> None:
+        """The cases of issue #60 that one process shows (the ZeRO-3 launches: ``full``)."""
+        import datasets
+        w = self.work
+        data = os.path.join(w, "data-x")
+        shutil.copytree(self.toy["data_128"], data)
+        rc, log = self.train(os.path.join(w, "r-data"), "--max-train-steps", "4", "--checkpoint-every", "2",
+                             env={"EASY_CONTEXT_CRASH": "step:2"}, data=data)
+        rows = datasets.load_from_disk(data).select(range(40)).flatten_indices()
+        rows.save_to_disk(data + ".new")
+        shutil.rmtree(data)
+        os.replace(data + ".new", data)  # what prepare_data --overwrite into the same path does
+        rc, log = self.train(os.path.join(w, "r-data"), "--max-train-steps", "4", "--checkpoint-every", "2", "--resume",
+                             data=data)
+        self.record("--resume after the dataset at --dataset was replaced (fewer rows)", rc, log, "2")
+        masked = os.path.join(w, "masked")
+        ids = datasets.load_from_disk(self.toy["data_128"]).select(range(4))["input_ids"]
+        datasets.Dataset.from_dict({"input_ids": ids, "labels": [[-100] * len(r) for r in ids]}).save_to_disk(masked)
+        rc, log = self.train(os.path.join(w, "o-masked"), "--max-train-steps", "1", data=masked)
+        self.record("a dataset whose labels are all -100 (a chat template without assistant markers)", rc, log, "2")
+        for field, tool in (("hidden_size", "check"), ("num_attention_heads", "train")):
+            cfg_dir = os.path.join(w, f"no-{field}")
+            shutil.copytree(self.toy["model"], cfg_dir)
+            cfg = json.load(open(os.path.join(cfg_dir, "config.json")))
+            cfg.pop(field)
+            json.dump(cfg, open(os.path.join(cfg_dir, "config.json"), "w"))
+            if tool == "check":
+                rc, log = self.run([sys.executable, "-m", "easy_context", "check", "--model", cfg_dir])
+            else:
+                rc, log = self.train(os.path.join(w, "o-heads"), "--max-train-steps", "1", model=cfg_dir)
+            self.record(f"{'check --model' if tool == 'check' else 'train.py --model'}: config.json without {field}",
+                        rc, log, "2", _said(log, "error"))
+        for flag, val in (("--nodes", "1000000000"), ("--gpu-mem", "1e300")):
+            rc, log = self.run([sys.executable, "-m", "easy_context", "plan", "--model", "llama-2-7b", "--seq-length",
+                                "65536", "--gpus", "8", flag, val], timeout=120)
+            self.record(f"plan {flag} {val}", rc, log, "2")
+        out = os.path.join(w, "ds-full")
+        rc, log = self.run(prep[:-3] + [out, "--num-proc", "1"], preexec=_small_files)
+        left = [n for n in os.listdir(w) if n.startswith(("ds-full", ".ds-full"))]
+        self.record("prepare_data.py on a disk that fills mid-write (a 16 KiB file-size limit)", rc, log, "74",
+                    ok=not left)
+        rc, log = self.train(os.path.join(w, "o-ro"), "--max-train-steps", "4", env={"EASY_CONTEXT_CRASH": "readonly:3"})
+        self.record("the output file system turns read-only mid-run (the metrics append)", rc, log, "74")
 
     def full(self) -> None:
         w = self.work
@@ -182,12 +242,38 @@ class Bench:
         rc, log = z3("z-stop", "--max-train-steps", "1000", "--collective-timeout", "8s", "--no-save-model",
                      during=lambda p: _stop_rank_1(p, stop))
         self.record("rank 1 SIGSTOPped (hung), --collective-timeout 8s", rc, log, "-9, 4")
+        rc, log = z3("z-ro", env={"EASY_CONTEXT_CRASH": "readonly:7"})
+        self.record("the output file system turns read-only mid-run (rank 0's metrics append), ZeRO-3", rc, log, "74")
+        rc, log = z3("z-fin", env={"EASY_CONTEXT_CRASH": "sigterm:final"})
+        self.record("SIGTERM reaches both ranks just after the final save, ZeRO-3", rc, log, "0", _said(log),
+                    ok="is complete" in log)
 
     def table(self) -> str:
         head = ["| # | fault or bad input | what the user sees | exit status | expected | as documented |",
                 "|---|---|---|---|---|---|"]
         return "\n".join(head + [f"| {i} | {c} | `{w}` | {s} | {e} | {ok} |".replace("``", "")
                                  for i, (c, w, s, e, ok) in enumerate(self.rows, 1)])
+
+
+def _said(log: str, word: str = "") -> str:
+    """The tool's own line (a note, not an error) for the table."""
+    lines = [ln[ln.index(p):] for ln in log.replace("\r", "\n").splitlines()
+             for p in ("train.py: ", "python -m easy_context check: ") if p in ln and word in ln]
+    return lines[-1] if lines else "(no line)"
+
+
+def _sha(path: str) -> str:
+    import hashlib
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _small_files() -> None:
+    """preexec: writes past 16 KiB fail (EFBIG), as on a disk that fills mid-write."""
+    import resource
+    import signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
 def _losses(out: str) -> list[float]:

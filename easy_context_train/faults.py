@@ -3,7 +3,8 @@
 | exit | fault | what is left |
 |---|---|---|
 | 75 | preempted: SIGTERM / SIGUSR1 on any rank | a checkpoint of the step just finished; rerun with ``--resume`` |
-| 74 | a checkpoint write failed (disk full, quota, read-only) | the previous checkpoint, intact and the latest |
+| 74 | a write of the run failed (metrics, run.json, a checkpoint, the final model: disk full, quota, read-only) | the previous checkpoint, intact and the latest |
+| 0 | a signal after the final save | the finished model (one line says it is complete) |
 | 4 | a rank died or hung (no progress for ``--collective-timeout``) | the last periodic checkpoint |
 | 3 | out of GPU memory | the last periodic checkpoint; the line says what ``plan`` suggests |
 | 2 / 1 | bad input / a non-finite loss (unchanged) | |
@@ -20,12 +21,15 @@ import re
 import sys
 
 from easy_context.phase import TRACKER
-from .checkpoint import CheckpointWriteError, injected, latest_checkpoint
+from .checkpoint import injected, latest_checkpoint
 from .leave import PROG, _leave
 from .preempt import Preemption
 from .watchdog import EXIT_LOST_RANK, Watchdog
+from .writes import WriteError
 
-EXIT_PREEMPTED, EXIT_CHECKPOINT_WRITE, EXIT_OOM = 75, CheckpointWriteError.code, 3
+EXIT_PREEMPTED, EXIT_CHECKPOINT_WRITE, EXIT_OOM = 75, WriteError.code, 3
+WRITE_FAILED = 1000  # in the per-step agreement: above every signal number
+WRITE_REASON = "write failed"  # a rank's exit reason in the heartbeat store (its peers then exit 74 quietly)
 _active: list = []  # the Guard of this process (handle_fault reads it; per process, not a process group)
 
 
@@ -49,8 +53,10 @@ class Guard:
             self.watchdog.arm()
         _active[:] = [self]
 
-    def stop_requested(self, step: int) -> bool:
-        """At the end of optimizer step ``step`` (every rank): did any rank receive SIGTERM / SIGUSR1?"""
+    def stop_requested(self, step: int, write_error: BaseException | None = None) -> bool:
+        """At the end of optimizer step ``step`` (every rank): did any rank receive SIGTERM / SIGUSR1? A write that
+        failed on a rank this step (``write_error``: the metrics log) rides on the same all-reduce: every rank raises
+        (exit 74; the failing rank prints its line)."""
         if injected("oom", step):  # test hook: as if this step had run out of GPU memory
             import torch
             raise torch.OutOfMemoryError("CUDA out of memory (injected by EASY_CONTEXT_CRASH)")
@@ -58,7 +64,9 @@ class Guard:
         if injected("sigterm", step):  # test hook: the signal reaches this rank only
             import signal
             os.kill(os.getpid(), signal.SIGTERM)
-        self.signal = self.preemption.agreed(self.accelerator.device)
+        self.signal = self.preemption.agreed(self.accelerator.device, WRITE_FAILED if write_error else 0)
+        if self.signal >= WRITE_FAILED:
+            raise write_error or WriteError("another rank could not write its file", local=False)
         if step >= self.args.max_train_steps and self.watchdog:
             self.watchdog.arm(False)  # the final save may take long; torch's own timeout still applies
         return self.signal != 0
@@ -83,6 +91,28 @@ class Guard:
         _leave(None, "", None, EXIT_PREEMPTED)  # no interpreter teardown, where Python resets SIGTERM to fatal
 
 
+    def complete(self, step: int) -> None:
+        """After the final save (every rank): tear down and exit 0 without the interpreter's teardown, where Python
+        puts SIGTERM back to fatal; a signal that arrived during or after the final save is acknowledged with one line
+        (the model is complete: a scheduler must not requeue it; ``--resume`` on it does nothing)."""
+        import torch.distributed as dist
+        if injected("sigterm", "final"):  # test hook: the signal lands just after the final save
+            import signal
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.watchdog:
+            self.watchdog.close()
+        self.accelerator.end_training()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        got = self.preemption.received
+        if got and self.accelerator.is_main_process:
+            import signal
+            print(f"{PROG}: {signal.Signals(got).name} received after the final save: the model in "
+                  f"{self.args.output_dir} is complete (step {step}); exiting 0 (--resume on it does nothing)",
+                  file=sys.stderr, flush=True)
+        _leave(None, "", None, 0)
+
+
 def handle_fault(e: BaseException, args) -> None:
     """train.py's ``main``: a fault this module knows becomes one line and its exit status; anything else
     is re-raised (a bug keeps its traceback)."""
@@ -93,8 +123,8 @@ def handle_fault(e: BaseException, args) -> None:
     rank = os.environ.get("RANK", "0")
     if isinstance(e, torch.OutOfMemoryError):
         _leave(dog, "out of memory", f"rank {rank}: " + oom_message(args, TRACKER.step), EXIT_OOM)
-    if isinstance(e, CheckpointWriteError):
-        _leave(dog, "checkpoint write failed", f"rank {rank}: {e}" if e.local else None, EXIT_CHECKPOINT_WRITE)
+    if isinstance(e, WriteError):
+        _leave(dog, WRITE_REASON, f"rank {rank}: {e}" if e.local else None, EXIT_CHECKPOINT_WRITE)
     theirs = failed_collective(e)  # a collective outside our phases (DeepSpeed's ZeRO-3 gathers / reduce-scatters)
     comm = isinstance(e, dist.DistError) or TRACKER.failed is not None or theirs is not None
     if dog is not None and comm and isinstance(e, RuntimeError):
@@ -103,6 +133,8 @@ def handle_fault(e: BaseException, args) -> None:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:160]  # gloo: "[file:line] Read error ..."
         line, found = dog.lost_peer(f"a peer was lost during {where} ({first})")
+        if found and any(p.get("exit") == WRITE_REASON for p in dog.peers().values()):
+            _leave(dog, "lost a peer", None, EXIT_CHECKPOINT_WRITE)  # it said why (a failed write): 74, quietly
         if found:  # else no peer is missing: a bug in this rank, keep its traceback
             _leave(dog, "lost a peer", line, EXIT_LOST_RANK)
     raise e

@@ -70,21 +70,35 @@ def _readable_lines(path: str) -> list[str]:
 
 
 class JsonlLog:
-    """metrics.jsonl on the main process; on resume, lines after the resumed step are dropped."""
+    """metrics.jsonl on the main process; on resume, lines after the resumed step are dropped. Writes go through the
+    guarded writer (``writes.py``): a failed one is kept in ``failed`` (a ``WriteError``, never a traceback) and
+    train.py's next agreement (``Guard.stop_requested``) stops every rank with it (exit 74)."""
 
     def __init__(self, path: str, enabled: bool, resume_step: int = 0):
-        self.path, self.enabled = path, enabled
+        self.path, self.enabled, self.failed = path, enabled, None
         if enabled:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            keep = []
-            if resume_step and os.path.exists(path):
-                keep = [ln for ln in _readable_lines(path) if json.loads(ln)["step"] <= resume_step]
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                f.writelines(keep)
-            os.replace(tmp, path)
+            from .writes import atomic_text, guarded
+            try:
+                with guarded("the metrics log", path):
+                    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                    keep = []
+                    if resume_step and os.path.exists(path):
+                        keep = [ln for ln in _readable_lines(path) if json.loads(ln)["step"] <= resume_step]
+                    atomic_text(path, "".join(keep))  # a private temp file next to it, then one rename
+            except Exception as e:  # noqa: BLE001 - a WriteError, reported at the next agreement
+                self.failed = e
 
     def write(self, row: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        if not self.enabled or self.failed is not None:
+            return
+        from .checkpoint import injected
+        from .writes import guarded
+        try:
+            with guarded("the metrics log", self.path):
+                if injected("readonly", row["step"]):  # test hook: the file system turns read-only mid-run
+                    import errno
+                    raise OSError(errno.EROFS, os.strerror(errno.EROFS), self.path)
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        except Exception as e:  # noqa: BLE001 - a WriteError
+            self.failed = e

@@ -19,6 +19,10 @@ def load_config(name: str, rope_theta: float | None, args=None):
         hint = (" (if a local directory was meant: no such directory)" if "/" in name and not os.path.isdir(name)
                 else "")
         raise UsageError(f"cannot load model {name!r}{hint}: {str(e).splitlines()[0]}") from None
+    from easy_context.tools.check.config import missing_fields
+    problem = missing_fields(config, name)  # a missing width / heads / vocab: one line, not transformers' default
+    if problem:
+        raise UsageError(problem)
     if rope_theta is not None:
         set_rope_theta(config, rope_theta)
     if args is not None and args.rope_scaling:

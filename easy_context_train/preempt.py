@@ -26,15 +26,16 @@ class Preemption:
     def _handler(self, signum, frame):
         self.received = self.received or signum
 
-    def agreed(self, device) -> int:
-        """The signal any rank received (0: none); a collective: every rank calls it at the same step."""
+    def agreed(self, device, extra: int = 0) -> int:
+        """The signal any rank received (0: none), or ``extra`` if larger (another fault a rank must tell the others
+        about, in the same number); a collective: every rank calls it at the same step."""
         import torch
         import torch.distributed as dist
 
         from easy_context.phase import phase
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return self.received
-        flag = torch.tensor([float(self.received)], device=device)
+            return max(self.received, extra)
+        flag = torch.tensor([float(max(self.received, extra))], device=device)
         with phase("preemption-flag all-reduce"):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())

@@ -76,10 +76,7 @@ def check_run(output_dir: str, args, checkpoints: list) -> None:
         raise UsageError(f"--output-dir {output_dir!r} holds the outputs of {who} ({', '.join(done)}); a fresh run "
                          "would replace them: choose another --output-dir, or pass --overwrite-output-dir to replace "
                          "them")
-    if args.resume and not checkpoints and any(n in done for n in FINAL_FILES):
-        raise UsageError(f"--resume: --output-dir {output_dir!r} holds the final model of {who} "
-                         f"({', '.join(done)}) and no checkpoint to continue (the run finished); choose another "
-                         "--output-dir, or drop --resume and pass --overwrite-output-dir to replace it")
+    # --resume into a finished run: run_state.plan_resume (a no-op, refused, or continued from its final step)
 
 
 def check_collisions(output_dir: str, checkpoints: list) -> None:
@@ -113,12 +110,10 @@ def begin_run(output_dir: str, args, checkpoints: list, identity: dict | None = 
 
 
 def atomic_write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Through the guarded writer's private temp file (``writes.atomic_json``): an OSError is the run's WriteError."""
+    from .writes import atomic_json, guarded
+    with guarded("run.json" if os.path.basename(path) == RUN_FILE else "a file of the run", path):
+        atomic_json(path, obj)
 
 
 # ------------------------------------------------------------------------------------------ lock
@@ -227,12 +222,13 @@ def write_manifest(ckpt_dir: str) -> None:
     files = {}
     for root, _, names in os.walk(ckpt_dir):
         for n in names:
-            if n == MANIFEST:
+            if n in (MANIFEST, ".easy_context_tmp"):  # writes.MARK: the temp dir's own mark, removed when published
                 continue
             p = os.path.join(root, n)
             size = os.path.getsize(p)
             files[os.path.relpath(p, ckpt_dir)] = {"size": size, **({"sha256": _sha256(p)} if size <= _HASH_LIMIT else {})}
-    atomic_write_json(os.path.join(ckpt_dir, MANIFEST), {"files": files})
+    from .writes import atomic_json  # unguarded: the checkpoint's own agreement turns its OSError into 74 on every rank
+    atomic_json(os.path.join(ckpt_dir, MANIFEST), {"files": files})
 
 
 def verify_checkpoint(ckpt_dir: str) -> str | None:

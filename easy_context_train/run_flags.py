@@ -6,6 +6,8 @@ and the RoPE theta actually trained with), the model's architecture, the tokeniz
 be loaded (tensor shapes; ZeRO shards and per-rank RNG states). Any other change is refused unless named in
 ``--accept-changed`` (a new stage in the same directory, a lowered learning rate): one line naming every change, the
 recorded and the new value. Accepted changes are written back into run.json with the date (``history``).
+What the data *is* (``data``: rows, tokens and a checksum of sampled rows, ``data.data_identity``) is compared too,
+not only its path: a dataset replaced at the same path is refused unless ``--accept-changed dataset``.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def architecture(config, args) -> dict:
     return arch
 
 
-def identity(args, config, world: int) -> dict:
+def identity(args, config, world: int, data: dict | None = None) -> dict:
     from easy_context.registry import get_mode
     mode = get_mode(args.parallel_mode)
     sp = args.sp_size or (world if mode.is_parallel else 1)
@@ -71,6 +73,8 @@ def identity(args, config, world: int) -> dict:
            "gradient_accumulate_every": args.gradient_accumulate_every, "seed": args.seed,
            "learning_rate": args.learning_rate, "lr_schedule": args.lr_schedule, "warmup_steps": args.warmup_steps,
            "processes": world}
+    if data is not None:
+        rec["data"] = data  # what the rows are (the path above is only where they were)
     if config is not None:
         from easy_context.hf.config import get_rope_theta
         rec["rope_theta"] = get_rope_theta(config)  # the theta trained with (the model's own when the flag is unset)
@@ -104,7 +108,15 @@ def check_resume(output_dir: str, prev: dict | None, now: dict, legacy_flags: di
                          f"states are per process): launch with --num_processes {old['processes']}, or choose another "
                          "--output-dir")
     changed = {k: [old[k], now.get(k)] for k in CHANGEABLE if k in old and k in now and old[k] != now[k]}
-    refused = [k for k in changed if k not in accepted]
+    if old.get("data") and now.get("data") and old["data"] != now["data"]:
+        if "dataset" not in accepted:
+            raise UsageError(f"--resume: the data at --dataset {now.get('dataset')!r} is not the data {run} in "
+                             f"{output_dir!r} was trained on (recorded {data_text(old['data'])}; now "
+                             f"{data_text(now['data'])}): the saved data position would point into other rows; "
+                             "rerun with the recorded data, or pass --accept-changed dataset to continue on these rows "
+                             "(recorded in run.json), or choose another --output-dir")
+        changed["data"] = [old["data"], now["data"]]
+    refused = [k for k in changed if k not in accepted and k != "data"]
     if refused:
         what = ", ".join(f"{CHANGEABLE[k]} {_v(changed[k][0])} (now {_v(changed[k][1])})" for k in refused)
         names = ",".join(k.replace("_", "-") for k in refused)
@@ -112,6 +124,17 @@ def check_resume(output_dir: str, prev: dict | None, now: dict, legacy_flags: di
                          f"value(s), or pass --accept-changed {names} to continue with the new one(s) (e.g. a new "
                          "stage), or choose another --output-dir")
     return changed
+
+
+def data_text(d: dict) -> str:
+    return f"{d.get('rows')} rows, {d.get('tokens')} tokens, sampled sha256 {str(d.get('sha256'))[:12]}"
+
+
+def change_text(key: str, old, new) -> str:
+    """One accepted change as the resume line names it."""
+    if key == "data":
+        return f"--dataset's rows {data_text(old)} -> {data_text(new)}"
+    return f"{CHANGEABLE[key]} {old} -> {new}"
 
 
 def _v(x) -> str:
@@ -127,4 +150,5 @@ def updated_record(prev: dict, now: dict, changes: dict) -> dict:
     return rec
 
 
-__all__ = ["CHANGEABLE", "accepted_keys", "identity", "check_resume", "updated_record", "tokenizer_id"]
+__all__ = ["CHANGEABLE", "accepted_keys", "identity", "check_resume", "updated_record", "tokenizer_id", "data_text",
+           "change_text"]

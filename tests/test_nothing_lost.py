@@ -89,8 +89,10 @@ def test_2_fresh_run_into_a_finished_dir_is_refused(tmp_path):
     with pytest.raises(UsageError, match=r"holds the outputs of run abc \(config.json, model.safetensors, "
                                          r"metrics.jsonl\); a fresh run would replace them.*--overwrite-output-dir"):
         run_dir.check_run(str(tmp_path), args, [])
-    with pytest.raises(UsageError, match="holds the final model of run abc .* no checkpoint to continue"):
-        run_dir.check_run(str(tmp_path), SimpleNamespace(**{**vars(args), "resume": True}), [])
+    from easy_context_train.run_state import plan_resume  # --resume there: the finished run's state decides (#60)
+    with pytest.raises(UsageError, match="holds the final model of run abc .* no record of its last step"):
+        plan_resume(SimpleNamespace(**{**vars(args), "resume": True, "output_dir": str(tmp_path),
+                                       "max_train_steps": 4}), [])
     run_dir.check_run(str(tmp_path), SimpleNamespace(**{**vars(args), "overwrite_output_dir": True}), [])
     other = tmp_path / "elsewhere"  # --log-file outside the output dir, holding another run's lines
     other.mkdir()
@@ -218,12 +220,12 @@ def _final_save_fails(rank, world, out):
     if rank == 0:
         msg = str(e.value)
         assert msg.startswith(f"cannot write the final model to {out} after step 0: File too large "
-                              f"({out}/.final.tmp; "), msg
+                              f"({out}/.final-tmp-"), msg
         assert "free of" in msg and "the model takes 9.8 KiB); nothing of it was kept and no checkpoint exists: " \
             "raise the file-size limit (ulimit -f)" in msg and "--overwrite-output-dir" in msg, msg
     import torch.distributed as dist
     dist.barrier()
-    assert sorted(os.listdir(out)) == ["metrics.jsonl"]  # no .final.tmp, no half model
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"]  # no temp dir, no half model
 
     def bug(tmp):
         raise AssertionError("not a write error")
@@ -313,8 +315,8 @@ def test_9_unwritable_log_file_is_one_line_before_anything_loads(tmp_path, capsy
     _one_line(lambda: parse_args(["--output-dir", str(tmp_path / "o2")]), capsys, "is a file where the run writes a "
               "directory (checkpoints/): move it")
     (tmp_path / "o2" / "checkpoints").unlink()
-    (tmp_path / "o2" / ".final.tmp").write_text("x")  # where the final model is written first
-    _one_line(lambda: parse_args(["--output-dir", str(tmp_path / "o2")]), capsys, "(.final.tmp/)")
+    (tmp_path / "o2" / ".final.tmp").write_text("x")  # a user's: the final save's temp dir is private now (#60)
+    parse_args(["--output-dir", str(tmp_path / "o2")])
     (tmp_path / "o2" / ".final.tmp").unlink()
     parse_args(["--output-dir", out, "--log-file", str(tmp_path / "logs" / "m.jsonl")])  # creatable: fine
     assert sorted(os.listdir(tmp_path)) == ["a_file", "o2"]  # the probes left nothing behind

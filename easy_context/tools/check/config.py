@@ -17,9 +17,44 @@ def load_user_config(path: str):
         raise CheckUsageError(f"--model {path!r}: directory has no config.json")
     from transformers import AutoConfig
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any loader failure is the user's file
         raise CheckUsageError(f"--model {path!r}: cannot read the config: {str(e).splitlines()[0]}") from None
+    problem = missing_fields(config, path)
+    if problem:
+        raise CheckUsageError(problem)
+    return config
+
+
+# the fields a config must spell out: transformers fills a missing one with its class default (Llama: 4096 wide, 32
+# heads, 32000 tokens), i.e. another model than the user's, which would then be checked (or trained) instead
+REQUIRED = (("hidden_size", "the model width"), ("num_attention_heads", "the attention head count"),
+            ("num_hidden_layers", "the layer count"), ("vocab_size", "the vocabulary size"))
+
+
+def missing_fields(config, path: str, flag: str = "--model") -> str | None:
+    """One line naming the fields ``path``'s config.json lacks (an alias of the class's ``attribute_map``, or the field
+    in a ``text_config``-like sub-dict, counts), or None. Read strictly by ``check`` and train.py."""
+    from transformers import PretrainedConfig
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(path)
+    except Exception:  # noqa: BLE001 - AutoConfig read it: nothing more to say here
+        return None
+    amap = getattr(type(config), "attribute_map", None) or {}
+    dicts = [raw] + [v for k, v in raw.items() if isinstance(v, dict) and k.endswith("_config")]
+    subs = [config] + [getattr(config, k) for k in ("text_config", "llm_config") if hasattr(config, k)]
+    missing = []
+    for name, what in REQUIRED:
+        if not any(hasattr(c, name) for c in subs):
+            continue  # a field this model type does not have
+        names = {name} | {k for k, v in amap.items() if v == name}
+        if not any(n in d for d in dicts for n in names):
+            default = next((getattr(c, name) for c in subs if hasattr(c, name)), None)
+            missing.append(f"{name!r} ({what}; transformers would use its default {default})")
+    if not missing:
+        return None
+    return (f"{flag} {path!r}: config.json has no {', '.join(missing)}, not your model's value: add "
+            f"{'it' if len(missing) == 1 else 'them'} to config.json")
 
 
 def _heads(config) -> tuple[int, int, int]:

@@ -53,16 +53,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# what a plan can be about: far beyond any machine, small enough that every number stays finite and the search short
+BOUNDS = {"seq_length": 1 << 34, "gpus": 1 << 12, "nodes": 1 << 20, "batch_size": 1 << 20,
+          "gradient_accumulate_every": 1 << 20, "top": 1 << 20, "world": 1 << 20}
+MEM_BOUND_GIB = {"gpu_mem": 1 << 20, "host_mem": 1 << 30}
+
+
 def parse(argv) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    for name, low in (("seq_length", 1), ("gpus", 1), ("nodes", 1), ("batch_size", 1),
-                      ("gradient_accumulate_every", 1), ("top", 1)):
-        if getattr(args, name) < low:
-            raise PlanUsageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    for name in ("seq_length", "gpus", "nodes", "batch_size", "gradient_accumulate_every", "top"):
+        if not 1 <= getattr(args, name) <= BOUNDS[name]:
+            raise PlanUsageError(f"--{name.replace('_', '-')} must be >= 1 and <= {BOUNDS[name]}, got "
+                                 f"{getattr(args, name)}")
+    if args.gpus * args.nodes > BOUNDS["world"]:
+        raise PlanUsageError(f"--gpus x --nodes must be at most {BOUNDS['world']} GPUs, got {args.gpus} x "
+                             f"{args.nodes} = {args.gpus * args.nodes}")
     for name in ("gpu_mem", "host_mem"):
         v = getattr(args, name)
-        if v is not None and not (math.isfinite(v) and v > 0):
-            raise PlanUsageError(f"--{name.replace('_', '-')} must be a positive number of GiB, got {v}")
+        if v is not None and not (math.isfinite(v) and 0 < v <= MEM_BOUND_GIB[name]):
+            raise PlanUsageError(f"--{name.replace('_', '-')} must be a positive number of GiB up to "
+                                 f"{MEM_BOUND_GIB[name]}, got {v:g}")
     for name, ok, want in (("doc_median", lambda v: v > 0, "a positive number of tokens"),
                            ("doc_sigma", lambda v: v >= 0, "a number >= 0 (the log-normal's sigma)")):
         v = getattr(args, name)

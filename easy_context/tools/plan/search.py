@@ -16,16 +16,24 @@ def layouts(shape: Shape, world: int, L: int):
     """(mode, dp, sp, ring) for every registered mode and dp x sp (x ring x ulysses) split of the world that shards
     L. One rank per sequence: the modes marked ``plan_at_sp1`` (the plain baseline and ours); a mode without a
     cost model is refused by its ``plan_problem``."""
-    for sp in [s for s in range(1, world + 1) if world % s == 0]:
+    for sp in divisors(world):
         dp = world // sp
         for mode in mode_names():
             m = mode_of({"mode": mode})
             if not (m.plan_at_sp1 if sp == 1 else m.is_parallel):
                 continue
+            if sp > 1 and layout_problem(shape, Option(mode, dp, sp, "layer", True, False, "zero3-offload"), L):
+                continue  # the mode cannot cut L over sp ranks at all: its ring splits need not be listed
             for ring in m.plan_rings(sp):
                 opt = Option(mode, dp, sp, "layer", True, False, "zero3-offload", ring=ring)
                 if layout_problem(shape, opt, L) is None:
                     yield mode, dp, sp, ring
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (sqrt(n) trial divisions, not n)."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def candidates(shape: Shape, env: Env, kernel: str | None = None, linear_kernel: str = "fla") -> list[dict]:
