@@ -31,6 +31,14 @@ def save_assets(root: str) -> tuple[str, str]:
     return tok_dir, model_dir
 
 
+def save_hybrid(root: str, vocab: int) -> str:
+    """A tiny Qwen3.5 hybrid (a gated delta-net layer, then a softmax layer) saved under ``root``."""
+    from tests.hybrid_models import build_hybrid
+    path = os.path.join(root, "qwen3_5")
+    build_hybrid("qwen3_5", vocab_size=vocab, pad_token_id=2, eos_token_id=2, bos_token_id=1).save_pretrained(path)
+    return path
+
+
 def dpo_dataset(n: int = 40, seed: int = 0):
     """Preference pairs of varied lengths (chosen and rejected of different lengths)."""
     import datasets

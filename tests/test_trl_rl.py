@@ -17,7 +17,7 @@ import torch
 from tests.harness import run_ranks
 
 REFS = {"dpo": ("dpo", False), "grpo": ("grpo", False)}  # name -> (kind, lora)
-SLOW_REFS = {"dpo_lora": ("dpo", True), "grpo_lora": ("grpo", True)}
+SLOW_REFS = {"dpo_lora": ("dpo", True), "grpo_lora": ("grpo", True), "dpo_qwen3_5": ("dpo", False, "qwen3_5")}
 
 
 # ---------------------------------------------------------------------------------------------- pure logic
@@ -62,8 +62,8 @@ def assets(tmp_path_factory):
 
 def _references(rank, world_size, tok, model, root, path, names):
     from tests import rl_cases as rc
-    out = {name: rc.run(kind, tok, model, os.path.join(root, f"ref-{name}"), lora=lora)
-           for name, (kind, lora) in names.items()}
+    out = {name: rc.run(spec[0], tok, _model(model, spec), os.path.join(root, f"ref-{name}"), lora=spec[1])
+           for name, spec in names.items()}
     # the integration on one process (zigzag on 1 rank: packed rows, no collective) is the plain trainer too
     got = rc.run("dpo", tok, model, os.path.join(root, "one-dpo"), sp={"mode": "zigzag_ring_attn"}) \
         if "dpo" in names else None
@@ -73,7 +73,24 @@ def _references(rank, world_size, tok, model, root, path, names):
     os.replace(path + ".tmp", path)
 
 
-# case -> (reference, kind, sp options, lora, resume)
+def _model(llama: str, spec: tuple) -> str:
+    """The saved model a reference / case trains: the tiny Llama, or (spec[2]) a hybrid saved beside it."""
+    if len(spec) < 3 or spec[2] is None:
+        return llama
+    from tests import rl_cases as rc
+    from transformers import AutoTokenizer
+    path = os.path.join(os.path.dirname(llama), spec[2])
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            rc.save_hybrid(os.path.dirname(llama), len(AutoTokenizer.from_pretrained(os.path.join(
+                os.path.dirname(llama), "tok"))))
+        if dist.is_initialized():
+            dist.barrier()
+    return path
+
+
+# case -> (reference, kind, sp options, lora, resume[, hybrid family])
 CASES = {2: {"dpo_zigzag": ("dpo", "dpo", {"mode": "zigzag_ring_attn"}, False, False),
              "grpo_ulysses": ("grpo", "grpo", {"mode": "ulysses_attn"}, False, False)}}
 SLOW_CASES = {
@@ -82,19 +99,22 @@ SLOW_CASES = {
         "dpo_zigzag_lora": ("dpo_lora", "dpo", {"mode": "zigzag_ring_attn"}, True, False),
         "grpo_zigzag_lora": ("grpo_lora", "grpo", {"mode": "zigzag_ring_attn"}, True, False),
         "dpo_zigzag_resume": ("dpo", "dpo", {"mode": "zigzag_ring_attn"}, False, True),
-        "grpo_zigzag_resume": ("grpo", "grpo", {"mode": "zigzag_ring_attn"}, False, True)},
+        "grpo_zigzag_resume": ("grpo", "grpo", {"mode": "zigzag_ring_attn"}, False, True),
+        "dpo_qwen3_5_zigzag": ("dpo_qwen3_5", "dpo", {"mode": "zigzag_ring_attn"}, False, False, "qwen3_5")},
     4: {"dpo_usp": ("dpo", "dpo", {"mode": "usp_attn", "ring_degree": 2}, False, False),
-        "grpo_usp": ("grpo", "grpo", {"mode": "usp_attn", "ring_degree": 2}, False, False)},
+        "grpo_usp": ("grpo", "grpo", {"mode": "usp_attn", "ring_degree": 2}, False, False),
+        "dpo_zigzag_sp2_dp2": ("dpo", "dpo", {"mode": "zigzag_ring_attn", "sp_size": 2}, False, False)},
 }
 
 
 def _world(rank, world_size, tok, model, root, refs, cases, extras=()):
     from tests import rl_cases as rc
-    for name, (ref, kind, sp, lora, resume) in cases.items():
+    for name, (ref, kind, sp, lora, resume, *family) in cases.items():
         out = os.path.join(root, f"w{world_size}-{name}")
+        model_dir = _model(model, (kind, lora, *family))
         what = f"{name} on {world_size} ranks"
         if not resume:
-            rc.compare(rc.run(kind, tok, model, out, sp=sp, world=world_size, lora=lora), refs[ref], what)
+            rc.compare(rc.run(kind, tok, model_dir, out, sp=sp, world=world_size, lora=lora), refs[ref], what)
             continue
         # a run that saves at step 2, then a fresh trainer resumed from that checkpoint: both equal one process
         full = rc.run(kind, tok, model, out, sp=sp, world=world_size, save_strategy="steps", save_steps=2)
