@@ -13,6 +13,18 @@ KINDS = {"DPOTrainer": "dpo", "GRPOTrainer": "grpo"}
 WHERE = "sequence parallelism (easy_context.integrations)"
 
 
+def base_model(model):
+    """The transformers PreTrainedModel under PEFT / Accelerate wrappers."""
+    for _ in range(4):
+        if hasattr(model, "get_base_model"):  # PeftModel
+            model = model.get_base_model()
+        elif hasattr(model, "module"):  # DDP / DeepSpeed engine
+            model = model.module
+        else:
+            break
+    return model
+
+
 def rl_kind(trainer) -> str | None:
     """"dpo" / "grpo" for TRL's DPOTrainer / GRPOTrainer (and subclasses), None for transformers.Trainer and
     trl.SFTTrainer; a ValueError naming the class for any other TRL trainer."""
@@ -59,11 +71,10 @@ def setup_rl(trainer, kind: str, layout, pad_id: int) -> None:
     the policy's attention); the trainer's class and its loss scaling stay as they are."""
     from .. import apply_seq_parallel_monkey_patch
     from .seq_logprobs import wrap_fused_forward
-    from .trainer import _base_model
-    wrap_fused_forward(_base_model(trainer.model), layout, pad_id)
+    wrap_fused_forward(base_model(trainer.model), layout, pad_id)
     ref = getattr(trainer, "ref_model", None)
     if ref is not None:
-        ref = _base_model(ref)
+        ref = base_model(ref)
         if layout.mode.is_parallel:
             from ..hf.route import check_routable
             check_routable(ref, layout.mode)

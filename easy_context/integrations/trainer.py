@@ -31,21 +31,11 @@ import torch
 
 from .batches import TARGETS, BatchError, cut_rows, full_rows, shard_batch
 from .options import SeqParallelOptions, check_trainer
+from .rl import base_model as _base_model
+from .rl import check_rl_trainer, rl_kind, setup_rl
 from ..registry import DEFAULT_MODE, get_mode
 
 _CLASSES: dict = {}  # trainer class -> its sequence-parallel subclass (classes only, no process state)
-
-
-def _base_model(model):
-    """The transformers PreTrainedModel under PEFT / Accelerate wrappers."""
-    for _ in range(4):
-        if hasattr(model, "get_base_model"):  # PeftModel
-            model = model.get_base_model()
-        elif hasattr(model, "module"):  # DDP / DeepSpeed engine
-            model = model.module
-        else:
-            break
-    return model
 
 
 def _reduce_verdicts(count, err: str | None, device) -> torch.Tensor:
@@ -217,8 +207,6 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     from ..memory import configure_memory
     from ..parallel_layout import ParallelLayout, plan_degrees
     from ..hf.config import check_rope_for_sp
-
-    from .rl import check_rl_trainer, rl_kind, setup_rl
 
     if getattr(trainer, "_ec_layout", None) is not None:
         raise ValueError("sequence parallelism is already enabled on this trainer")
