@@ -1,4 +1,4 @@
-"""Shared by the two examples: a tiny model / tokenizer / data made here (``--tiny``, CPU, no downloads) or real ones."""
+"""Shared by the examples: a tiny model / tokenizer / data made here (``--tiny``, CPU, no downloads) or real ones."""
 from __future__ import annotations
 
 import os
@@ -70,6 +70,14 @@ def load_model(args, tok):
     from transformers import AutoModelForCausalLM
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+
+
+def per_rank(batch: int) -> int:
+    """Rows each rank reads of a micro-batch of ``batch`` rows over all ranks (TRL's DPO / GRPO data parallelism)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if batch % world:
+        raise SystemExit(f"--batch-size {batch} must be a multiple of the {world} ranks")
+    return batch // world
 
 
 def sp_options(args) -> dict:

@@ -1,7 +1,9 @@
 """The documented example commands (docs/trainer.md), run as written under torchrun's CPU device path, equal one
 process (issue #45): trl.SFTTrainer packing chat documents of varying length (bfd, padding-free), 4 steps, GA 2,
 under zigzag (2 ranks), USP (4 ranks, ring 2) with LoRA, and a zigzag run resumed from its step-2 checkpoint; the
-Trainer example under zigzag. Loss curves within 1e-4, trained weights within 1e-4 relative.
+Trainer example under zigzag; trl.DPOTrainer under zigzag and trl.GRPOTrainer (HF generation, seeded per completion)
+under Ulysses, 2 ranks, and their LoRA commands (issue #62). Loss curves within 1e-4, trained weights within 1e-4
+relative.
 
 This is the path a user runs: the Trainer moves each micro-batch with ``.to(device)`` and two micro-batches of one
 step can give a rank identical local positions, which lost or swapped the packed rows' dispatch table before it
@@ -100,3 +102,35 @@ def test_documented_trainer_command_equals_one_process(out):
     zz, ref = _results(_Launch(cmd + ["--mode", "zigzag_ring_attn", "--output-dir", str(out / "tzz")], out / "tzz.pt",
                                nproc=2), ref_launch)
     _same(zz, ref, "Trainer zigzag_ring_attn, 2 ranks")
+
+
+DPO = ["examples/dpo_trainer_sp.py", "--tiny"]
+GRPO = ["examples/grpo_trainer_sp.py", "--tiny"]
+
+
+def test_dpo_and_grpo_examples_equal_one_process(out):
+    """docs/trainer.md (issue #62): torchrun --nproc_per_node 2 examples/dpo_trainer_sp.py --tiny --mode
+    zigzag_ring_attn and examples/grpo_trainer_sp.py --tiny --mode ulysses_attn (TRL's HF generation, seeded per
+    completion) against the same trainers with --no-sp on one process."""
+    launches = [_Launch(DPO + ["--no-sp", "--output-dir", str(out / "dref")], out / "dref.pt"),
+                _Launch(DPO + ["--mode", "zigzag_ring_attn", "--output-dir", str(out / "dzz")], out / "dzz.pt", nproc=2),
+                _Launch(GRPO + ["--no-sp", "--output-dir", str(out / "gref")], out / "gref.pt"),
+                _Launch(GRPO + ["--mode", "ulysses_attn", "--output-dir", str(out / "guly")], out / "guly.pt", nproc=2)]
+    dref, dzz, gref, guly = _results(*launches)
+    assert dref["loss"][-1] < dref["loss"][0]  # DPO learns
+    _same(dzz, dref, "DPOTrainer zigzag_ring_attn, 2 ranks")
+    _same(guly, gref, "GRPOTrainer ulysses_attn, 2 ranks")
+
+
+@pytest.mark.slow
+def test_dpo_and_grpo_lora_examples_equal_one_process(out):
+    """docs/trainer.md: the --lora-rank 8 commands (reference = the policy with its adapter disabled)."""
+    launches = [_Launch(DPO + ["--no-sp", "--lora-rank", "8", "--output-dir", str(out / "dlref")], out / "dlref.pt"),
+                _Launch(DPO + ["--mode", "ulysses_attn", "--lora-rank", "8", "--output-dir", str(out / "dl")],
+                        out / "dl.pt", nproc=2),
+                _Launch(GRPO + ["--no-sp", "--lora-rank", "8", "--output-dir", str(out / "glref")], out / "glref.pt"),
+                _Launch(GRPO + ["--mode", "zigzag_ring_attn", "--lora-rank", "8", "--output-dir", str(out / "gl")],
+                        out / "gl.pt", nproc=2)]
+    dlref, dl, glref, gl = _results(*launches)
+    _same(dl, dlref, "DPOTrainer ulysses_attn + LoRA r8, 2 ranks")
+    _same(gl, glref, "GRPOTrainer zigzag_ring_attn + LoRA r8, 2 ranks")

@@ -115,7 +115,8 @@ def check_trainer(trainer, opts: SeqParallelOptions) -> None:
         raise ValueError(f"{where}: checkpointing={opts.checkpointing!r} and TrainingArguments.gradient_checkpointing="
                          "True both set activation checkpointing; keep one")
     if getattr(args, "loss_type", "nll") not in ("nll", None):  # trl SFTConfig
-        raise ValueError(f"{where}: SFTConfig loss_type={args.loss_type!r} is not supported; use 'nll'")
+        raise ValueError(f"{where}: {type(args).__name__} loss_type={args.loss_type!r} is not supported with "
+                         f"{type(trainer).__name__}; use 'nll'")
 
 
 def _fix() -> str:

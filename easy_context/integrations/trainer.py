@@ -31,22 +31,12 @@ import torch
 
 from .batches import TARGETS, BatchError, cut_rows, full_rows, shard_batch
 from .options import SeqParallelOptions, check_trainer
+from .rl import base_model as _base_model
+from .rl import check_rl_trainer, rl_kind, setup_rl
 from ..vlm.batches import split_vision
 from ..registry import DEFAULT_MODE, get_mode
 
 _CLASSES: dict = {}  # trainer class -> its sequence-parallel subclass (classes only, no process state)
-
-
-def _base_model(model):
-    """The transformers PreTrainedModel under PEFT / Accelerate wrappers."""
-    for _ in range(4):
-        if hasattr(model, "get_base_model"):  # PeftModel
-            model = model.get_base_model()
-        elif hasattr(model, "module"):  # DDP / DeepSpeed engine
-            model = model.module
-        else:
-            break
-    return model
 
 
 def _reduce_verdicts(count, err: str | None, device) -> torch.Tensor:
@@ -70,6 +60,8 @@ class SeqParallelTrainerMixin:
     ``sequence_parallel={"mode": ..., ...}`` (or a ``SeqParallelOptions``) to the constructor. Or call
     ``enable_sequence_parallel(trainer, ...)`` on any existing trainer."""
 
+    _ec_rl = None  # "dpo" / "grpo": TRL's trainers keep their own data and loss (rl.py)
+
     def __init__(self, *args, sequence_parallel=None, **kwargs):
         super().__init__(*args, **kwargs)
         if sequence_parallel is not None:
@@ -79,12 +71,18 @@ class SeqParallelTrainerMixin:
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self):
+        if self._ec_rl:
+            return super().get_train_dataloader()
         return self._ec_reshard(super().get_train_dataloader())
 
     def get_eval_dataloader(self, eval_dataset=None):
+        if self._ec_rl:
+            return super().get_eval_dataloader(eval_dataset)
         return self._ec_reshard(super().get_eval_dataloader(eval_dataset))
 
     def get_total_train_batch_size(self, args):
+        if self._ec_rl:
+            return super().get_total_train_batch_size(args)
         return args.per_device_train_batch_size * args.gradient_accumulation_steps * self._ec_layout.dp
 
     def _ec_reshard(self, dl):
@@ -104,6 +102,8 @@ class SeqParallelTrainerMixin:
         """This window's micro-batches, cut, and the window's token count; packed rows' dispatch tables of the next
         window are planned meanwhile in a helper process (easy_context_train/plan_ahead.py, as train.py does), so the window
         after this one is read now (the Trainer's resume skips batches by step count, not by iterator position)."""
+        if self._ec_rl:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
         ahead = self.__dict__.setdefault("_ec_ahead", {"it": None, "queue": deque(), "planner": None})
         if ahead["it"] is not epoch_iterator:  # a new epoch (the last one's read-ahead was all consumed)
             ahead["it"], ahead["queue"] = epoch_iterator, deque()
@@ -161,6 +161,8 @@ class SeqParallelTrainerMixin:
         from ..loss import IGNORE_INDEX, global_sum
         from ..loss import nll_sum
 
+        if self._ec_rl:  # DPO / GRPO: the trainer's own loss on sequence-parallel log-probs (rl.py)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         unwrapped = self.accelerator.unwrap_model(model)
         if TARGETS in inputs:  # a training micro-batch cut by get_batch_samples
             if num_items_in_batch is None:
@@ -214,7 +216,11 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     if getattr(trainer, "_ec_layout", None) is not None:
         raise ValueError("sequence parallelism is already enabled on this trainer")
     opts.validate()
-    check_trainer(trainer, opts)
+    kind = rl_kind(trainer)  # "dpo" / "grpo": TRL's fused LM head calls run sequence-parallel (rl.py)
+    if kind:
+        check_rl_trainer(trainer, opts, kind)
+    else:
+        check_trainer(trainer, opts)
     world, rank = trainer.args.world_size, trainer.args.process_index
     dp, sp, ring, uly = plan_degrees(opts.mode, world, opts.sp_size, opts.ring_degree)
     base = _base_model(trainer.model)
@@ -259,6 +265,9 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
     pad = pad if pad is not None else getattr(tok, "eos_token_id", None)
     trainer._ec_opts, trainer._ec_layout, trainer._ec_pad_id = opts, layout, int(pad or 0)
     trainer._ec_vlm = base if is_vlm(base) else None  # VLM batches: vision inputs cut with the rows (vlm/batches.py)
+    if kind:  # the trainer's own data, loss and loss scaling stay; its scoring calls are wrapped
+        setup_rl(trainer, kind, layout, trainer._ec_pad_id)
+        return
     # the loss is normalised over the whole window here: the Trainer must not divide it by GA (and older
     # Trainers read model_accepts_loss_kwargs for the same decision)
     trainer.loss_is_scaled_for_ga = True
