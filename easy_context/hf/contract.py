@@ -23,6 +23,8 @@ from __future__ import annotations
 # kwargs that carry no meaning for the attention's result at the values shown (None = any value)
 _NEUTRAL = {
     "use_cache": None, "output_attentions": None, "output_hidden_states": None, "return_dict": None,
+    "output_router_logits": None, "num_items_in_batch": None,  # the MoE aux loss / the loss's count: not attention
+    "seq_idx": None,  # Mamba's document index of packed rows: the same documents as position_ids' restarts
     "layer_idx": None, "cache_position": None, "position_embeddings": None, "logits_to_keep": None,
     # flash-attn varlen boundaries (DataCollatorWithFlattening): the same documents as position_ids' restarts,
     # which is what the patched attention reads

@@ -135,7 +135,8 @@ class SeqParallelTrainerMixin:
             except StopIteration:
                 break
             try:
-                batch, vision = split_vision(dict(batch), self._ec_vlm)  # a VLM's images / videos ride along
+                # a VLM's images / videos ride along
+                batch, vision = split_vision(dict(batch), getattr(self, "_ec_vlm", None))
                 rows = full_rows(batch, self._ec_layout.seq_multiple, self._ec_pad_id,
                                  self._ec_opts.pad_to_multiple)
             except ValueError as e:  # raised when its window is cut (every rank hears of it there)
@@ -153,7 +154,7 @@ class SeqParallelTrainerMixin:
 
     def _ec_shard(self, batch):
         st = self._ec_opts
-        batch, vision = split_vision(dict(batch), self._ec_vlm)
+        batch, vision = split_vision(dict(batch), getattr(self, "_ec_vlm", None))
         return shard_batch(batch, self._ec_layout, self._ec_pad_id, st.pad_to_multiple, vision)
 
     # ------------------------------------------------------------------ loss

@@ -43,12 +43,19 @@ def missing_fields(config, path: str, flag: str = "--model") -> str | None:
     amap = getattr(type(config), "attribute_map", None) or {}
     dicts = [raw] + [v for k, v in raw.items() if isinstance(v, dict) and k.endswith("_config")]
     subs = [config] + [getattr(config, k) for k in ("text_config", "llm_config") if hasattr(config, k)]
+    try:  # the class's own defaults: a value that differs came from the file (an alias, or derived: Nemotron-H's
+        defaults = type(config)()  # layer count from its block pattern)
+    except Exception:  # noqa: BLE001 - a config class that needs arguments: judge by the spelled keys alone
+        defaults = None
     missing = []
     for name, what in REQUIRED:
         if not any(hasattr(c, name) for c in subs):
             continue  # a field this model type does not have
-        names = {name} | {k for k, v in amap.items() if v == name}
-        if not any(n in d for d in dicts for n in names):
+        names = {name, amap.get(name)} | {k for k, v in amap.items() if v == name}
+        value = getattr(config, name, None)
+        if defaults is not None and hasattr(defaults, name) and getattr(defaults, name) != value:
+            continue
+        if not any(n in d for d in dicts for n in names if n):
             default = next((getattr(c, name) for c in subs if hasattr(c, name)), None)
             missing.append(f"{name!r} ({what}; transformers would use its default {default})")
     if not missing:
