@@ -158,6 +158,9 @@ def _refusals(rank, world_size, tok, model, root):
     g = rc.make_trainer("grpo", tok, model, out + "-g", world=world_size)
     with pytest.raises(ValueError, match="chunked_loss=True does not apply to GRPOTrainer"):
         enable_sequence_parallel(g, mode="ulysses_attn", chunked_loss=True)
+    h = rc.make_trainer("grpo", tok, _model(model, ("grpo", False, "qwen3_5")), out + "-h", world=world_size)
+    with pytest.raises(ValueError, match="HF generation on a hybrid model.*use_vllm=True or a rollout_func"):
+        enable_sequence_parallel(h, mode="zigzag_ring_attn")
 
 
 def test_dpo_and_grpo_two_ranks(assets):
@@ -196,6 +199,9 @@ ENGINES = {  # the trainers' own DeepSpeed ZeRO-3 / FSDP2 wrapping (CPU: gloo), 
 
 def _engine(rank, world_size, tok, model, root, refs, engine):
     from tests import rl_cases as rc
+    if engine == "zero3":  # the trainers load models under zero.Init, which reads DeepSpeed's own world (as the
+        import deepspeed  # deepspeed / accelerate launchers set it up); here: on the ranks' gloo group
+        deepspeed.init_distributed(dist_backend="gloo")
     for kind, mode in (("dpo", "zigzag_ring_attn"), ("grpo", "ulysses_attn")):
         got = rc.run(kind, tok, model, os.path.join(root, f"w{world_size}-{engine}-{kind}"), sp={"mode": mode},
                      world=world_size, **ENGINES[engine])
