@@ -114,7 +114,18 @@ def result(trainer, kind: str) -> dict:
     model = trainer.accelerator.unwrap_model(trainer.model)
     return {"loss": [h["loss"] for h in logs],
             "metrics": {m: [h.get(m) for h in logs] for m in METRICS[kind]},
-            "params": {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}}
+            "params": {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}}
+
+
+def _full(p):
+    """A parameter's whole value: gathered under ZeRO-3 (collective, same order on every rank), FSDP2's DTensor."""
+    if hasattr(p, "ds_id"):
+        import deepspeed
+        with deepspeed.zero.GatheredParameters([p]):
+            return p.detach().float().clone()
+    if hasattr(p, "full_tensor"):
+        return p.full_tensor().detach().float().clone()
+    return p.detach().float().clone()
 
 
 def run(kind: str, tok_dir: str, model_dir: str, out: str, sp: dict | None = None, world: int = 1,

@@ -158,6 +158,9 @@ def _refusals(rank, world_size, tok, model, root):
     g = rc.make_trainer("grpo", tok, model, out + "-g", world=world_size)
     with pytest.raises(ValueError, match="chunked_loss=True does not apply to GRPOTrainer"):
         enable_sequence_parallel(g, mode="ulysses_attn", chunked_loss=True)
+    h = rc.make_trainer("grpo", tok, _model(model, ("grpo", False, "qwen3_5")), out + "-h", world=world_size)
+    with pytest.raises(ValueError, match="HF generation on a hybrid model.*use_vllm=True or a rollout_func"):
+        enable_sequence_parallel(h, mode="zigzag_ring_attn")
 
 
 def test_dpo_and_grpo_two_ranks(assets):
@@ -184,3 +187,30 @@ def test_dpo_and_grpo_more_two_ranks(assets, tmp_path):
 def test_dpo_and_grpo_usp_four_ranks(assets):
     tok, model, root, refs = assets
     run_ranks(_world, world_size=4, args=(tok, model, root, refs, SLOW_CASES[4]), timeout=900, collective_timeout=120)
+
+
+ENGINES = {  # the trainers' own DeepSpeed ZeRO-3 / FSDP2 wrapping (CPU: gloo), as tests/test_integrations.py
+    "zero3": dict(deepspeed={"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+                             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                             "train_batch_size": "auto"}, ddp_backend="gloo"),
+    "fsdp2": dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, ddp_backend="gloo"),
+}
+
+
+def _engine(rank, world_size, tok, model, root, refs, engine):
+    from tests import rl_cases as rc
+    if engine == "zero3":  # the trainers load models under zero.Init, which reads DeepSpeed's own world (as the
+        import deepspeed  # deepspeed / accelerate launchers set it up); here: on the ranks' gloo group
+        deepspeed.init_distributed(dist_backend="gloo")
+    for kind, mode in (("dpo", "zigzag_ring_attn"), ("grpo", "ulysses_attn")):
+        got = rc.run(kind, tok, model, os.path.join(root, f"w{world_size}-{engine}-{kind}"), sp={"mode": mode},
+                     world=world_size, **ENGINES[engine])
+        rc.compare(got, refs[kind], f"{kind} + {engine} + {mode} on {world_size} ranks")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_dpo_and_grpo_deepspeed_zero3_and_fsdp2(assets, engine):
+    """Policy and reference model wrapped by the trainer's engine (ZeRO-3: the reference as an inference engine)."""
+    tok, model, root, refs = assets
+    run_ranks(_engine, world_size=2, args=(tok, model, root, refs, engine), timeout=900, collective_timeout=300)

@@ -1,5 +1,6 @@
-"""Sequence parallelism from the tools long-context users already run: ``transformers.Trainer`` and ``trl.SFTTrainer``
-(docs/trainer.md).
+"""Sequence parallelism from the tools long-context users already run: ``transformers.Trainer``, ``trl.SFTTrainer``,
+and ``trl.DPOTrainer`` / ``trl.GRPOTrainer`` (their completion log-probs scored sequence-parallel: rl.py,
+seq_logprobs.py; docs/trainer.md).
 
     from easy_context.integrations import enable_sequence_parallel
     enable_sequence_parallel(trainer, mode="zigzag_ring_attn", chunked_loss=True)

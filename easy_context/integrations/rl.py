@@ -62,6 +62,12 @@ def check_rl_trainer(trainer, opts, kind: str) -> None:
     if getattr(trainer, "aux_loss_enabled", False):
         raise ValueError(f"{WHERE}: the MoE router auxiliary loss (router_aux_loss_coef="
                          f"{trainer.router_aux_loss_coef}) is not supported with {name}; set router_aux_loss_coef=0")
+    if kind == "grpo" and not getattr(trainer, "use_vllm", False) and getattr(trainer, "rollout_func", None) is None:
+        from ..recurrent.detect import recurrent_layers
+        if recurrent_layers(base_model(trainer.model)):
+            raise ValueError(f"{WHERE}: GRPOTrainer's HF generation on a hybrid model would decode through the "
+                             "sequence-parallel recurrent layers (no cache there); generate with use_vllm=True or a "
+                             "rollout_func")
     if getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm", False):
         raise ValueError(f"{WHERE}: {name} on image data is not supported (text models only)")
 

@@ -278,8 +278,8 @@ def _setup(trainer, opts: SeqParallelOptions) -> None:
 
 def enable_sequence_parallel(trainer, mode: str = DEFAULT_MODE, sp_size: int | None = None,
                              ring_degree: int | None = None, **options):
-    """Turn on sequence parallelism for a constructed ``transformers.Trainer`` / ``trl.SFTTrainer`` (call it on every
-    rank, before ``train()``). ``options``: the rest of ``SeqParallelOptions`` (chunked_loss, checkpointing,
+    """Turn on sequence parallelism for a constructed ``transformers.Trainer`` / ``trl.SFTTrainer`` / ``trl.DPOTrainer``
+    / ``trl.GRPOTrainer`` (call it on every rank, before ``train()``; DPO / GRPO: rl.py). ``options``: the rest of ``SeqParallelOptions`` (chunked_loss, checkpointing,
     tiled_mlp, offload_every_k, fused_ops, attn_backend, pad_to_multiple). Returns the trainer."""
     opts = SeqParallelOptions.from_kwargs(mode=mode, sp_size=sp_size, ring_degree=ring_degree, **options)
     _setup(trainer, opts)
