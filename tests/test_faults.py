@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -291,6 +292,11 @@ def zero3_chain(toy, tmp_path_factory):
     chain["full"] = _run_z3(toy, out, env={"EASY_CONTEXT_CRASH": "disk_full:final"})
     chain["unbroken"] = losses(out)
     chain["left"] = sorted(os.listdir(out))
+    # the run checkpoints its final step too (#60: a finished run can be continued from it); the cases below resume
+    # from an earlier checkpoint, as a run stopped before its end would: drop the final step's
+    final_ckpt = out / "checkpoints" / "step-0000014"
+    chain["final_ckpt"] = final_ckpt.is_dir()
+    shutil.rmtree(final_ckpt, ignore_errors=True)
     # 2. --resume with a model of another architecture: refused before it loads (#4)
     chain["other"] = _run_z3(toy, out, "--resume", model=str(other))
     # 3. --resume; rank 1 dies inside step 12 (its last layer's forward): rank 0 is inside DeepSpeed's collectives (#3);
@@ -320,7 +326,8 @@ def test_zero3_final_save_full_disk_other_model_and_dead_rank_are_one_line_each(
     assert len(lines) == 1 and lines[0].startswith(
         f"train.py: error: rank 0: cannot write the final model to {zero3_chain['out']} after step 14: No space left "
         "on device ("), lines
-    assert f"the last checkpoint {zero3_chain['out']}/checkpoints/step-0000010 is intact" in lines[0], lines
+    assert f"the last checkpoint {zero3_chain['out']}/checkpoints/step-0000014 is intact" in lines[0], lines
+    assert "no step is trained again" in lines[0] and zero3_chain["final_ckpt"], lines
     assert zero3_chain["left"] == ["checkpoints", "metrics.jsonl", "run.json"], zero3_chain["left"]  # no .final.tmp
     assert len(zero3_chain["unbroken"]) == 14
 
