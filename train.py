@@ -22,8 +22,6 @@ scaling of DeepSpeed/Accelerate, so the gradient is that of the global token-mea
 Logic lives in easy_context_train; this file is the readable outline.
 """
 import math
-import os
-import sys
 import time
 
 from easy_context_train.args import parse_args
@@ -31,8 +29,7 @@ from easy_context_train.errors import UsageError, fail
 from easy_context_train.faults import Guard, handle_fault
 from easy_context_train.op_build import watch_op_builds
 from easy_context_train.run_dir import exit_with_parent
-from easy_context_train.run_state import finished_line
-from easy_context_train.session import resume_plan
+from easy_context_train.session import already_final
 
 
 def main(argv=None):
@@ -40,13 +37,10 @@ def main(argv=None):
     exit_with_parent()  # a killed launcher never leaves ranks training
     watch_op_builds(args.build_lock_timeout)  # start-up: a stale DeepSpeed op-build lock is one line (exit 5)
     try:
-        # the output dir's state (fresh / in progress / finished; run_state.py), read-only, every rank alike: --resume
-        # of a finished run is a no-op (one line, exit 0), refused (fewer steps) or continued from its final step
-        if resume_plan(args) == "done":
-            if os.environ.get("RANK", "0") == "0":
-                print(finished_line(args), file=sys.stderr, flush=True)
-            return
-        train(args)
+        # the output dir's state (run_state.py), every rank alike: --resume of a finished run is a no-op (one line,
+        # exit 0), refused (fewer steps) or continued from its final step
+        if not already_final(args):
+            train(args)
     except UsageError as e:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():

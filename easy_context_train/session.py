@@ -8,6 +8,19 @@ from . import checkpoint as ckpt
 from . import run_dir
 
 
+def already_final(args) -> bool:
+    """--resume of a finished run with the same target: one line on rank 0 saying the model is complete, and True
+    (train.py returns, exit 0). Refusals (fewer steps, changed flags) raise from ``resume_plan``."""
+    if resume_plan(args) != "done":
+        return False
+    if os.environ.get("RANK", "0") == "0":
+        import sys
+
+        from .run_state import finished_line
+        print(finished_line(args), file=sys.stderr, flush=True)
+    return True
+
+
 def resume_plan(args) -> str:
     """Before anything loads (every rank, read-only): the output dir's state decides what this launch does:
     "start" (no --resume), "continue", "done" (a finished run, same target: nothing to do) or "extend"
