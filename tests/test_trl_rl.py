@@ -158,9 +158,6 @@ def _refusals(rank, world_size, tok, model, root):
     g = rc.make_trainer("grpo", tok, model, out + "-g", world=world_size)
     with pytest.raises(ValueError, match="chunked_loss=True does not apply to GRPOTrainer"):
         enable_sequence_parallel(g, mode="ulysses_attn", chunked_loss=True)
-    h = rc.make_trainer("grpo", tok, _model(model, ("grpo", False, "qwen3_5")), out + "-h", world=world_size)
-    with pytest.raises(ValueError, match="HF generation on a hybrid model.*use_vllm=True or a rollout_func"):
-        enable_sequence_parallel(h, mode="zigzag_ring_attn")
 
 
 def test_dpo_and_grpo_two_ranks(assets):
